@@ -1,0 +1,142 @@
+"""Frozen configuration, layered by who reads it: model < cache/scheduler < engine < server.
+
+Constructors here never touch files or devices; `from_hf_config` takes an already-parsed dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 style frequency scaling ('llama3'), or plain position interpolation ('linear')."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a decoder-only transformer, as the model code needs it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 family, or Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias only
+    qk_norm: bool = False  # Qwen3 family
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 always carries q/k/v biases; Llama only when attention_bias is set.
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 moved rope settings into `rope_parameters`; older configs use `rope_scaling`.
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    return float(cfg.get("rope_theta") or _rope_params(cfg).get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
+    params = _rope_params(cfg)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return None
+    if rope_type not in ("llama3", "linear"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    # Fraction of free device memory (after weights) that the KV pool may take.
+    mem_fraction_static: float = 0.85
+    # Hard cap on pooled KV tokens; None means "size from memory".
+    max_total_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 256
+    # Tokens computed per engine step, summed over requests; long prompts are chunked to fit.
+    chunked_prefill_size: int = 2048
+    max_queued_requests: int = 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    context_length: int | None = None
+    random_seed: int = 0
+    cache_dir: str | None = None  # where converted GGUF checkpoints are kept
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)

@@ -1,0 +1,124 @@
+"""The engine core: one step is schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from specserve.engine.request import FinishReason, Request
+from specserve.engine.scheduler import Scheduler, StepBatch
+from specserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute(self, batch: StepBatch) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    pages_used: int
+    pages_total: int
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: Runner, eos_token_ids: tuple[int, ...]) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a request that can never run; the engine is unchanged then."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room in a context of {self.max_model_len}")
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, max_tokens))
+
+    def abort(self, request_ids: list[str]) -> list[TokenDelta]:
+        aborted = [self.scheduler.abort(rid) for rid in request_ids]
+        return [_delta(r, []) for r in aborted if r is not None]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenDelta]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception:
+            log.exception("step failed; retrying its requests one by one")
+            return self._step_each_alone(batch)
+        return self._postprocess(batch, sampled)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages, s.num_preemptions)
+
+    def _postprocess(self, batch: StepBatch, sampled: list[int]) -> list[TokenDelta]:
+        deltas = []
+        tokens = iter(sampled)
+        for seq in batch.seqs:
+            request = self.scheduler.requests[seq.request_id]
+            request.num_computed_tokens += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            token = next(tokens)
+            request.token_ids.append(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+            deltas.append(_delta(request, [token]))
+        return deltas
+
+    def _step_each_alone(self, batch: StepBatch) -> list[TokenDelta]:
+        # A failure is pinned to the request that causes it; the others carry on as if nothing happened.
+        deltas = []
+        for seq in batch.seqs:
+            alone = StepBatch([seq], batch.page_size)
+            try:
+                sampled = self.runner.execute(alone)
+            except Exception:
+                log.exception("request %s failed", seq.request_id)
+                request = self.scheduler.requests[seq.request_id]
+                self.scheduler.finish(request, FinishReason.ERROR)
+                deltas.append(_delta(request, []))
+                continue
+            deltas.extend(self._postprocess(alone, sampled))
+        return deltas
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+def _delta(request: Request, new_tokens: list[int]) -> TokenDelta:
+    reason = request.finish_reason.value if request.finish_reason is not None else None
+    return TokenDelta(request.request_id, new_tokens, reason, request.num_prompt_tokens, request.num_output_tokens)

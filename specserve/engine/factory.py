@@ -1,0 +1,109 @@
+"""Everything that touches files or devices to bring an engine up lives here, not in constructors."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from specserve.config import EngineConfig, ModelConfig
+from specserve.engine.engine import EngineCore
+from specserve.engine.kv_pages import PageAllocator
+from specserve.engine.runner import ModelRunner, allocate_kv_cache, plan_num_pages
+from specserve.engine.scheduler import Scheduler
+from specserve.models.loader import build_model
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
+CPU_KV_BYTES_CAP = 4 * 2**30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    model_cfg: ModelConfig
+    weights_dir: Path | None  # None: random weights
+    tokenizer_dir: Path | None
+
+
+def default_cache_root(config: EngineConfig) -> Path:
+    return Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "specserve"
+
+
+def shipped_config(name: str) -> Path | None:
+    path = resources.files("specserve.model_configs") / f"{name}.json"
+    return Path(str(path)) if path.is_file() else None
+
+
+def resolve_model(config: EngineConfig) -> ResolvedModel:
+    """Finds config, weights and tokenizer for `config.model_path`, converting a GGUF file once if needed."""
+    from specserve.models import gguf_convert
+
+    path_str = config.model_path
+    if path_str is None:
+        path = gguf_convert.cached_conversion(gguf_convert.find_embedded_gguf(), default_cache_root(config))
+        name = DEFAULT_MODEL_NAME
+    else:
+        path = Path(path_str).expanduser()
+        name = path_str
+        if not path.exists() and shipped_config(path_str) is not None:
+            path = shipped_config(path_str)
+        if path.suffix == ".gguf":
+            path = gguf_convert.cached_conversion(path, default_cache_root(config))
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    config_file = path if path.is_file() else path / "config.json"
+    model_cfg = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    model_dir = config_file.parent
+    has_tokenizer = (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()
+    weights_dir = None if config.load_format == "dummy" else model_dir
+    return ResolvedModel(name, model_cfg, weights_dir, model_dir if has_tokenizer else None)
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def pick_dtype(config: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if model_cfg.torch_dtype == "float16" else torch.bfloat16
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(available, int(CPU_KV_BYTES_CAP / 0.85))
+
+
+def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[EngineCore, ResolvedModel]:
+    resolved = resolve_model(config)
+    model_cfg = resolved.model_cfg
+    device = pick_device(config)
+    dtype = pick_dtype(config, model_cfg, device)
+    max_model_len = min(config.context_length or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    torch.manual_seed(config.random_seed)
+    model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
+    page_size = config.cache.page_size
+    num_pages = plan_num_pages(model_cfg, config.cache, dtype, free_memory_bytes(device), max_model_len)
+    kv_cache = allocate_kv_cache(model_cfg, num_pages, page_size, dtype, device)
+    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len)
+    eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
+    return EngineCore(scheduler, ModelRunner(model, kv_cache, device), tuple(dict.fromkeys(eos))), resolved
+
+
+def _generation_eos(model_dir: Path | None) -> tuple[int, ...]:
+    path = None if model_dir is None else model_dir / "generation_config.json"
+    if path is None or not path.exists():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

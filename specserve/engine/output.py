@@ -1,0 +1,85 @@
+"""Incremental detokenization and stop strings, run outside the engine core (front-end side)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    # Set when the request stops on a stop string, which the engine core must then be told to abort.
+    stopped_by_string: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Detokenizer:
+    """Decodes a growing token list into text, holding back bytes that do not yet form a character."""
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # tokens before this give context only, so spaces decode right
+        self.read_offset = 0  # tokens before this are already in `text`
+        self.text = ""
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Appends tokens; returns the new text that is safe to emit."""
+        self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return ""
+        skip = self.params.skip_special_tokens
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts, searching only where new text could complete one."""
+    if not stops:
+        return None
+    window_start = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
+    hits = [i for i in (text.find(s, window_start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+class OutputTracker:
+    """Folds engine deltas into per-request outputs: text, stop strings and finish reasons."""
+
+    def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.output = RequestOutput(request_id, list(prompt_token_ids))
+        self.detok = Detokenizer(tokenizer, params)
+        self.params = params
+
+    def update(self, new_token_ids: list[int], finish_reason: str | None) -> str:
+        """Returns the text delta to emit for these tokens."""
+        out = self.output
+        if out.finished:
+            return ""
+        out.token_ids.extend(new_token_ids)
+        delta = self.detok.push(new_token_ids)
+        stop_at = find_stop(self.detok.text, len(delta), self.params.stop)
+        if stop_at is not None:
+            delta = delta[: max(0, len(delta) - (len(self.detok.text) - stop_at))]
+            out.text = self.detok.text[:stop_at]
+            out.finish_reason = "stop"
+            out.stopped_by_string = True
+            return delta
+        out.text = self.detok.text
+        if finish_reason is not None:
+            out.finish_reason = finish_reason
+        return delta

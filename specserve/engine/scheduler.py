@@ -1,0 +1,169 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Pure Python, no torch.
+
+Each step the scheduler fills a token budget: running requests first (oldest first), then waiting requests.
+For each request it schedules the gap between known and computed tokens, capped by the remaining budget,
+and allocates pages for exactly the tokens that step computes. If pages run out, the newest running
+request is preempted: its pages are freed and it returns to the front of the queue to be recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.config import SchedulerConfig
+from specserve.engine.kv_pages import PageAllocator
+from specserve.engine.request import FinishReason, Request, Status
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: compute KV for `token_ids` at positions start_pos.. and maybe sample."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+    params: SamplingParams
+    # Set when this step reaches the end of the known tokens, so its last position yields a new token.
+    sample: bool
+    # Seed for this one sampling draw, derived from the request seed and output index (None: unseeded).
+    sample_seed: int | None
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything the runner needs for one step. It lives for one step only."""
+
+    seqs: list[ScheduledSeq]
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, max_model_len: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        if request.num_tokens + request.max_tokens > self.max_model_len:
+            raise ValueError("prompt plus max_tokens exceeds the context length")
+        if self.allocator.pages_for(request.num_tokens + request.max_tokens) > self.allocator.num_pages:
+            raise ValueError("request can never fit in the KV pool")
+        request.arrival_index = self._arrivals
+        self._arrivals += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        if request.finished:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT)
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        budget = self.config.chunked_prefill_size
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_uncomputed_tokens, budget)
+            if not self._make_room(request, count):
+                preempted = True
+                break  # `request` itself was preempted; everything after it is gone too.
+            scheduled.append((request, count))
+            budget -= count
+            index += 1
+        # Admitting while evicting would thrash, so new work waits for a step without preemption.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_running_requests:
+                break
+            request = self.waiting[0]
+            count = min(request.num_uncomputed_tokens, budget)
+            if not self._grow(request, count):
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            scheduled.append((request, count))
+            budget -= count
+        return StepBatch([self._describe(r, n) for r, n in scheduled], self.allocator.page_size)
+
+    def _make_room(self, request: Request, count: int) -> bool:
+        """Grow `request` by `count` tokens, preempting the newest running requests as needed."""
+        while not self._grow(request, count):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _grow(self, request: Request, count: int) -> bool:
+        needed = self.allocator.pages_for(request.num_computed_tokens + count) - len(request.page_ids)
+        if needed <= 0:
+            return True
+        if needed > self.allocator.num_free:
+            return False
+        request.page_ids.extend(self.allocator.allocate(request.request_id, needed))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.request_id, request.page_ids)
+        request.page_ids = []
+
+    def _describe(self, request: Request, count: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        sample = start + count == request.num_tokens
+        seed = request.params.seed
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.token_ids[start:start + count],
+            start_pos=start,
+            page_ids=list(request.page_ids),
+            params=request.params,
+            sample=sample,
+            sample_seed=None if seed is None else _mix_seed(seed, request.num_output_tokens),
+        )
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    # Each draw gets its own seed, so a seeded request repeats exactly whatever else shares its batches.
+    return (seed * 1_000_003 + index * 7919 + 1) % (2**63 - 1)

@@ -1,0 +1,93 @@
+"""Paged attention, plain PyTorch reference backend.
+
+The KV pool of one layer is a tensor [2, num_slots, kv_heads, head_dim]; slot = page * page_size + offset.
+Each step writes the new keys/values to their slots, then gathers every sequence's context into a padded
+batch and runs SDPA with a mask that is causal within the step and open to everything before it. One token
+per sequence and sixteen per sequence go through the same code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each token computed this step
+    kv_slots: torch.Tensor  # [B, max_kv] slots of each sequence's context, padded with slot 0
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] True where a query may attend
+    query_rows: torch.Tensor | None  # [T] row in the padded [B * max_q] query layout; None if T == B, max_q == 1
+    max_q: int
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        start_positions: list[int],
+        page_tables: list[list[int]],
+        page_size: int,
+        device: torch.device,
+    ) -> "AttentionMetadata":
+        batch = len(query_lens)
+        max_q = max(query_lens)
+        kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
+        max_kv = max(kv_lens)
+        max_pages = max(len(p) for p in page_tables)
+        table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables], dtype=torch.long)
+        kv_pos = torch.arange(max_kv)
+        kv_slots = table[:, kv_pos // page_size] * page_size + kv_pos % page_size  # [B, max_kv]
+
+        starts = torch.tensor(start_positions)
+        qlens = torch.tensor(query_lens)
+        q_offset = torch.arange(max_q)
+        q_pos = starts[:, None] + q_offset[None, :]  # [B, max_q]
+        valid_q = q_offset[None, :] < qlens[:, None]
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, max_q, max_kv]
+
+        flat_pos = torch.cat([torch.arange(s, s + q) for s, q in zip(start_positions, query_lens)])
+        seq_index = torch.repeat_interleave(torch.arange(batch), qlens)
+        slot_mapping = kv_slots[seq_index, flat_pos]
+        query_rows = None
+        if max_q > 1:
+            query_rows = seq_index * max_q + (flat_pos - starts[seq_index])
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            kv_slots=kv_slots.to(device),
+            mask=mask.unsqueeze(1).to(device),
+            query_rows=None if query_rows is None else query_rows.to(device),
+            max_q=max_q,
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+    kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    batch = meta.kv_slots.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if meta.query_rows is None:
+        q_pad = q.unsqueeze(1)
+    else:
+        q_pad = q.new_zeros(batch * meta.max_q, num_heads, head_dim)
+        q_pad[meta.query_rows] = q
+        q_pad = q_pad.view(batch, meta.max_q, num_heads, head_dim)
+    keys = kv_cache[0][meta.kv_slots]  # [B, max_kv, Hkv, D]
+    values = kv_cache[1][meta.kv_slots]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=meta.mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, H, max_q, D]
+    out = out.transpose(1, 2).reshape(batch * meta.max_q, num_heads * head_dim)
+    return out if meta.query_rows is None else out[meta.query_rows]

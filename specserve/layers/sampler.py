@@ -1,0 +1,58 @@
+"""Token sampling for a batch of rows with per-row settings.
+
+Greedy rows take the argmax. Other rows are filtered (top-k, top-p, min-p) and then drawn with the
+exponential race (argmax of p / E with E ~ Exp(1)), which is an exact draw from p and needs no
+host-side branching. Rows with a seed draw their noise from their own generator.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
+    """logits [N, V] -> token ids [N]."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy
+    probs = filtered_probs(logits, params)
+    noise = _exponential_noise(probs, seeds)
+    drawn = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return torch.where(is_greedy, greedy, drawn)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / T) restricted by top-k, top-p and min-p."""
+    device = logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
+        probs = _top_k_top_p(probs, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    if any(m > 0 for m in min_p):
+        floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    # Keep a token if fewer than top_k rank above it and the mass strictly above it is below top_p.
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (rank >= top_k[:, None]) | (mass_above >= top_p[:, None])
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _exponential_noise(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_()
+    for row, seed in enumerate(seeds):
+        if seed is not None:
+            generator = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row].exponential_(generator=generator)
+    return noise

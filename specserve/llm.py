@@ -1,0 +1,82 @@
+"""Offline Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in-process."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Sequence
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.engine.factory import build_engine_core
+from specserve.engine.output import OutputTracker, RequestOutput
+from specserve.sampling_params import SamplingParams
+
+
+def load_tokenizer(tokenizer_dir):
+    if tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+class LLM:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig()
+        config = replace(config, model_path=model if model is not None else config.model_path)
+        config = _apply_overrides(config, overrides)
+        self.config = config
+        self.engine, self.model_info = build_engine_core(config, progress=overrides.get("progress", False))
+        self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        trackers = [self.add(p, params) for p in _as_list(prompts)]
+        while self.engine.has_work():
+            self.step_and_track(trackers)
+        return [t.output for t in trackers]
+
+    def add(self, prompt: str | Sequence[int], params: SamplingParams) -> OutputTracker:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, ids, params)
+        return OutputTracker(self.tokenizer, request_id, ids, params)
+
+    def step_and_track(self, trackers: list[OutputTracker]) -> None:
+        by_id = {t.output.request_id: t for t in trackers}
+        for delta in self.engine.step():
+            tracker = by_id.get(delta.request_id)
+            if tracker is None:
+                continue
+            tracker.update(delta.new_token_ids, delta.finish_reason)
+            if tracker.output.stopped_by_string and delta.finish_reason is None:
+                self.engine.abort([delta.request_id])
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts
+
+
+_CACHE_FIELDS = {"page_size", "mem_fraction_static", "max_total_tokens"}
+_SCHED_FIELDS = {"max_running_requests", "chunked_prefill_size", "max_queued_requests"}
+
+
+def _apply_overrides(config: EngineConfig, overrides: dict) -> EngineConfig:
+    cache = {k: v for k, v in overrides.items() if k in _CACHE_FIELDS}
+    sched = {k: v for k, v in overrides.items() if k in _SCHED_FIELDS}
+    top = {k: v for k, v in overrides.items() if k not in _CACHE_FIELDS | _SCHED_FIELDS | {"progress"}}
+    return replace(
+        config,
+        cache=replace(config.cache, **cache),
+        scheduler=replace(config.scheduler, **sched),
+        **top,
+    )

@@ -1,0 +1,124 @@
+"""Build a model from a checkpoint: Hugging Face directories (safetensors, sharded or not), GGUF files
+(converted once to a cached HF directory), or random weights (`dummy`) for speed work without weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from specserve.config import ModelConfig
+from specserve.models.registry import model_class
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+
+
+def build_model(
+    cfg: ModelConfig,
+    model_dir: Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    seed: int = 0,
+    progress: bool = True,
+) -> torch.nn.Module:
+    """Weights come from `model_dir`, or are random when `model_dir` is None (load format `dummy`)."""
+    with torch.device(device):
+        model = model_class(cfg.architecture)(cfg, max_positions)
+    model.to(dtype=dtype)
+    model.rotary.float()  # keep rotary angles in fp32
+    if model_dir is None:
+        _randomize(model, seed)
+    else:
+        _load_weights(model, iter_checkpoint(model_dir), progress)
+    return model.eval().requires_grad_(False)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors or .bin weights in {model_dir}")
+    return files
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            # Pickled checkpoints can run code on load; weights_only refuses anything but tensors.
+            yield from torch.load(path, map_location="cpu", weights_only=True).items()
+
+
+def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], progress: bool) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in tqdm(weights, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        target, shard = _target_of(model, name)
+        if target is None:
+            continue
+        _copy_into(params[target], tensor, shard, _shard_sizes(model.config, target))
+        loaded.add(target if shard is None else f"{target}#{shard}")
+    _check_complete(model, params, loaded)
+
+
+def _target_of(model: torch.nn.Module, name: str) -> tuple[str | None, int | None]:
+    name = name.removeprefix("model.")
+    if "rotary_emb" in name:
+        return None, None
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None, None
+    for ckpt_name, (fused, shard) in model.stacked_params.items():
+        if f".{ckpt_name}." in name:
+            return name.replace(ckpt_name, fused), shard
+    return name, None
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+    if shard is None:
+        param.data.copy_(tensor)
+    else:
+        param.data.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+
+
+def _shard_sizes(cfg: ModelConfig, fused_name: str) -> list[int]:
+    if "qkv_proj" in fused_name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [q, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _check_complete(model: torch.nn.Module, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+    expected = set()
+    for name in params:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            expected |= {f"{name}#{i}" for i in range(3)}
+        elif name.endswith("gate_up_proj.weight"):
+            expected |= {f"{name}#{i}" for i in range(2)}
+        else:
+            expected.add(name)
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
