@@ -8,6 +8,7 @@ import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -15,6 +16,21 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specserve.models import gguf_convert as gc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_transformers_gguf() -> Iterator[None]:
+    """Memoize pure GGUF helpers that transformers recomputes, keeping this file fast.
+
+    transformers re-parses the GGUF for tokenizer, config and weights, and rebuilds
+    the same tensor-name map per submodule; results are identical, only faster.
+    """
+    import gguf
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +58,9 @@ def ours(converted: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path) -> torch.nn.Module:
-    import gguf
     from transformers import AutoModelForCausalLM
 
-    # transformers rebuilds the same (pure) name map once per submodule; caching it
-    # cuts the reference load roughly in half without changing what it computes.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     return model.eval()
 
 
@@ -86,7 +95,7 @@ def test_config_fields(converted: Path) -> None:
 def test_weights_match_transformers_loader(ours: torch.nn.Module, reference: torch.nn.Module) -> None:
     ref_state = reference.state_dict()
     for name, tensor in ours.state_dict().items():
-        torch.testing.assert_close(tensor, ref_state[name], atol=0, rtol=0, msg=name)
+        assert torch.equal(tensor, ref_state[name]), name  # same dequantizer: bit-identical
 
 
 def test_logits_match_transformers_loader(ours: torch.nn.Module, reference: torch.nn.Module) -> None:

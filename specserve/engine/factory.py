@@ -18,7 +18,7 @@ from specserve.models.loader import build_model
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
-CPU_KV_BYTES_CAP = 4 * 2**30
+CPU_KV_BYTES_CAP = 2 * 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,12 +85,16 @@ def free_memory_bytes(device: torch.device) -> int:
     return min(available, int(CPU_KV_BYTES_CAP / 0.85))
 
 
+def context_length(config: EngineConfig, model_cfg: ModelConfig) -> int:
+    return min(config.context_length or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+
+
 def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[EngineCore, ResolvedModel]:
     resolved = resolve_model(config)
     model_cfg = resolved.model_cfg
     device = pick_device(config)
     dtype = pick_dtype(config, model_cfg, device)
-    max_model_len = min(config.context_length or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)
     model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
     page_size = config.cache.page_size

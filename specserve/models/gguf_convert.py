@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGUFReader
 
 # Bump when the output format changes so stale cache entries are not reused.
 _CONVERTER_VERSION = 1
@@ -51,6 +52,22 @@ _GLOBAL_NAMES = {
 
 # Consumed into config.json (rope scaling), not a model weight.
 _CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
+
+
+class _PlainGGUFReader(GGUFReader):
+    """GGUFReader that parses through a plain ndarray view of its memmap.
+
+    Slicing np.memmap runs Python-level __array_finalize__ per slice; with ~100k
+    tokenizer strings that makes metadata parsing ~3x slower for no benefit.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)  # same mmap'd buffer, no copy
 
 
 def find_embedded_gguf() -> Path:
@@ -256,11 +273,10 @@ def convert_gguf_to_hf(
     gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> Path:
     """Dequantize `gguf_path` into an HF model directory at `out_dir` (written atomically)."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(gguf_path)
+    reader = _PlainGGUFReader(gguf_path)
     config = build_config(reader)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,110 @@
+"""Command line: the only place that reads argv. Flag names follow SGLang's where one exists."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model-path", "--model", dest="model_path", default=None,
+                   help="HF directory, .gguf file, or a shipped config name (e.g. llama-3.1-8b with "
+                        "--load-format dummy). Default: the embedded SmolLM2-135M-Instruct")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--mem-fraction-static", type=float, default=0.85)
+    g.add_argument("--max-total-tokens", type=int, default=None, help="cap on tokens held in the KV pool")
+    g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument("--max-queued-requests", type=int, default=1024)
+    g.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens computed per step")
+    g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_path=args.model_path,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        context_length=args.context_length,
+        random_seed=args.random_seed,
+        cache_dir=args.cache_dir,
+        cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
+        scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--served-model-name", default=None)
+
+    gen = sub.add_parser("generate", help="generate offline from prompts given on the command line")
+    add_engine_args(gen)
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    decode = bench_sub.add_parser("decode", help="greedy decode tok/s vs Hugging Face generate")
+    add_engine_args(decode)
+    decode.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    decode.add_argument("--prompt-len", type=int, default=128)
+    decode.add_argument("--output-len", type=int, default=128)
+    decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    decode.add_argument("--out", default=None, help="write results JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from specserve.server.launch import serve
+
+        serve(ServerConfig(args.host, args.port, args.api_key, args.served_model_name, engine_config(args)))
+    elif args.command == "generate":
+        return _generate(args)
+    elif args.command == "bench" and args.bench == "decode":
+        from specserve.bench.decode import run_decode_bench
+
+        run_decode_bench(engine_config(args), args)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    llm = LLM(config=engine_config(args), progress=True)
+    prompts = args.prompts
+    if args.chat:
+        prompts = [
+            llm.tokenizer.encode(
+                llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  tokenize=False),
+                add_special_tokens=False,
+            )
+            for p in prompts
+        ]
+    for out in llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)):
+        print(out.text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""OpenAI-compatible HTTP routes. Validation happens here, before anything reaches the engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.config import ServerConfig
+from specserve.engine.async_engine import AsyncEngine, EngineError
+from specserve.engine.output import RequestOutput
+from specserve.sampling_params import SamplingParams
+from specserve.server.metrics import Metrics
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Usage,
+    error_body,
+    new_id,
+    now,
+)
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model_name: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start(asyncio.get_running_loop())
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="specserve", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    _install_error_handlers(app)
+    if config.api_key:
+        _install_auth(app, config.api_key)
+    limit = config.engine.scheduler.max_running_requests + config.engine.scheduler.max_queued_requests
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": engine.state, "error": engine.error}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": now(), "owned_by": "specserve",
+                "max_model_len": engine.context_length}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        _check_model(body.model, model_name)
+        prompt_ids = _completion_prompt(engine.tokenizer, body.prompt)
+        return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=False, model_name=model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        _check_model(body.model, model_name)
+        prompt_ids = _chat_prompt(engine.tokenizer, body)
+        return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name)
+
+    return app
+
+
+# -- validation ---------------------------------------------------------------
+def _check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
+                       "NotFoundError", "model")
+
+
+def _completion_prompt(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
+        return tokenizer.encode(prompt)
+    return list(prompt)
+
+
+def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise APIError(400, "this model has no chat template", param="messages")
+    messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja raises for conversations the template refuses
+        raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _text_of(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "only text content parts are supported", param="messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
+    if body.n != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise APIError(400, "presence and frequency penalties are not supported", param="presence_penalty")
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if prompt_len >= context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {context}", param="prompt")
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is not None and max_tokens > context - prompt_len:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the context length {context}",
+            param="max_tokens",
+        )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, seed=body.seed, stop=body.stop, stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+# -- serving ------------------------------------------------------------------
+async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int, body, prompt_ids, *, chat: bool,
+                 model_name: str) -> Response:
+    if not engine.is_healthy():
+        raise APIError(503, "the model is still loading or the engine is down", "ServiceUnavailableError")
+    params = _sampling_params(body, len(prompt_ids), engine.context_length)
+    if engine.num_in_flight >= limit:
+        raise APIError(429, "the server's request queue is full; retry later", "RateLimitError")
+    metrics.prompt_tokens.inc(len(prompt_ids))
+    request_id = new_id("chatcmpl" if chat else "cmpl")
+    results = engine.generate(request_id, prompt_ids, params)
+    shape = _ChunkShape(request_id, model_name, chat)
+    if body.stream:
+        return StreamingResponse(_sse(results, shape, body.include_usage), media_type="text/event-stream")
+    return await _until_done_or_disconnect(raw, _collect(results, shape))
+
+
+async def _until_done_or_disconnect(raw: Request, work) -> Response:
+    """Runs `work`, cancelling it (and so aborting the request) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if task not in done:
+        task.cancel()
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ChunkShape:
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.id, self.model, self.chat, self.created = request_id, model, chat, now()
+
+    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def final(self, out: RequestOutput) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "finish_reason": out.finish_reason, "logprobs": None}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice],
+                "usage": _usage(out).model_dump()}
+
+
+def _usage(out: RequestOutput) -> Usage:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _collect(results: AsyncIterator[tuple[str, RequestOutput]], shape: _ChunkShape) -> Response:
+    output = None
+    try:
+        async for _, output in results:
+            pass
+    except (EngineError, ValueError) as exc:
+        return _error_response(APIError(500, f"generation failed: {exc}", "InternalServerError"))
+    finally:
+        await results.aclose()  # on cancellation this aborts the request and frees its pages now, not at GC
+    if output.finish_reason == "error":
+        return _error_response(APIError(500, "the engine failed on this request", "InternalServerError"))
+    return JSONResponse(shape.final(output))
+
+
+async def _sse(results, shape: _ChunkShape, include_usage: bool) -> AsyncIterator[str]:
+    output = None
+    try:
+        if shape.chat:
+            yield _event(shape.chunk(None, None, role=True))
+        async for text, output in results:
+            finish = output.finish_reason
+            if text or finish:
+                yield _event(shape.chunk(text, finish))
+    except (EngineError, ValueError) as exc:
+        yield _event(error_body(f"generation failed: {exc}", "InternalServerError", 500))
+    finally:
+        await results.aclose()  # a client that hangs up lands here: abort and free its pages
+    if include_usage and output is not None:
+        usage_chunk = {**shape.chunk(None, None), "choices": [], "usage": _usage(output).model_dump()}
+        yield _event(usage_chunk)
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+# -- errors and auth -------------------------------------------------------------
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.kind, err.status, err.param), status_code=err.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+        return _error_response(APIError(400, message, param=where))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, err: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return _error_response(APIError(500, f"internal error: {type(err).__name__}", "InternalServerError"))
+
+
+def _install_auth(app: FastAPI, api_key: str) -> None:
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {api_key}":
+            return _error_response(APIError(401, "invalid or missing API key", "AuthenticationError"))
+        return await call_next(request)

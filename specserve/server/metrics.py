@@ -1,0 +1,44 @@
+"""Prometheus metrics, on a registry of their own so several servers can live in one process (tests)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specserve.engine.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("specserve_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("specserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.pages_used = Gauge("specserve_kv_pages_used", "KV cache pages in use", registry=r)
+        self.pages_total = Gauge("specserve_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.preemptions = Gauge("specserve_num_preemptions", "Preemptions since start", registry=r)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "specserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "specserve_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def on_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.pages_used.set(stats.pages_used)
+        self.pages_total.set(stats.pages_total)
+        self.preemptions.set(stats.num_preemptions)
+
+    def on_tokens(self, count: int, ttft: float | None, itl: float | None) -> None:
+        self.generation_tokens.inc(count)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
