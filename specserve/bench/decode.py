@@ -1,0 +1,291 @@
+"""Greedy decode throughput: specserve vs Hugging Face `generate`, same weights, prompts and process.
+
+Timing method (identical for both systems): one run is timestamped every time a token for the whole batch
+becomes known on the host. TTFT is the time from the start of the run to the first token (prefill plus one
+sample); decode time is from the first token to the last, so decode tok/s = batch * (output_len - 1) /
+decode time and prefill never leaks in. specserve is timed around `EngineCore.step()` (no detokenising,
+which HF's `generate` does not do either); HF is timed by a streamer, whose `put` is called synchronously
+after every step on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.sampling_params import SamplingParams
+
+DEFAULT_OUT = Path("benchmarks/results/decode_cpu.json")
+TIMING_METHOD = (
+    "per-run token timestamps: ttft = first token of the batch known on host - run start; "
+    "decode_tok_s = batch * (output_len - 1) / (last token time - first token time); "
+    "specserve timed around EngineCore.step() (no detokenisation), HF timed by a BaseStreamer on generate(); "
+    "one warm-up run per system and batch size, then median over repeats, the two systems interleaved per repeat"
+)
+
+
+def hardware_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    # Skip the low ids, where tokenizers keep their special tokens, so no prompt carries a stray EOS/BOS.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab_size, (batch, prompt_len), generator=g).tolist()
+
+
+def _summary(ttft: float, t_first: float, t_last: float, batch: int, output_len: int) -> dict:
+    decode_s = t_last - t_first
+    return {
+        "ttft_s": ttft,
+        "decode_s": decode_s,
+        "decode_tok_s": batch * (output_len - 1) / decode_s if decode_s > 0 else float("nan"),
+        "e2e_s": ttft + decode_s,
+        "e2e_tok_s": batch * output_len / (ttft + decode_s),
+    }
+
+
+_ids = itertools.count()
+
+
+def run_specserve(llm, prompts: list[list[int]], output_len: int) -> tuple[dict, list[list[int]]]:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    rids = [f"bench-{next(_ids)}" for _ in prompts]
+    outputs: dict[str, list[int]] = {r: [] for r in rids}
+    t0 = time.perf_counter()
+    for rid, p in zip(rids, prompts):
+        engine.add_request(rid, p, params)
+    stamps = []  # time after each step that produced a token for every sequence
+    while engine.has_work():
+        deltas = engine.step()
+        for d in deltas:
+            outputs[d.request_id].extend(d.new_token_ids)
+        if len(deltas) == len(prompts):
+            stamps.append(time.perf_counter())
+    # The whole batch must prefill in one step and decode in lockstep, or the method above does not hold.
+    if len(stamps) != output_len:
+        raise RuntimeError(f"expected {output_len} full-batch steps, saw {len(stamps)}; raise --chunked-prefill-size")
+    return _summary(stamps[0] - t0, stamps[0], stamps[-1], len(prompts), output_len), [outputs[r] for r in rids]
+
+
+class _StampStreamer:
+    """BaseStreamer protocol: `put` gets the prompt first, then each step's new tokens [batch]."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self.tokens: list[torch.Tensor] = []
+        self._seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        self.stamps.append(time.perf_counter())
+        self.tokens.append(value.reshape(-1))
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int, pad_token_id: int) -> tuple[dict, list[list[int]]]:
+    input_ids = torch.tensor(prompts)
+    streamer = _StampStreamer()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),  # equal lengths: no padding anywhere
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=pad_token_id,
+            streamer=streamer,
+        )
+    if len(streamer.stamps) != output_len:
+        raise RuntimeError(f"HF streamed {len(streamer.stamps)} steps, expected {output_len}")
+    tokens = torch.stack(streamer.tokens, dim=1).tolist()  # [batch, output_len]
+    return _summary(streamer.stamps[0] - t0, streamer.stamps[0], streamer.stamps[-1], len(prompts), output_len), tokens
+
+
+def _median(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def _token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    # Fraction of sequences' positions that match before the first divergence: greedy fp32 should agree
+    # closely; a low figure means the two systems are not doing the same work.
+    total = matched = 0
+    for x, y in zip(a, b):
+        total += len(x)
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            matched += 1
+    return matched / total if total else float("nan")
+
+
+def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
+    from specserve.engine.factory import resolve_model
+    from specserve.llm import LLM
+
+    # This is a CPU comparison against an fp32 HF model on CPU; "auto" would pick a GPU if there were one.
+    if engine_config.device == "auto":
+        engine_config = replace(engine_config, device="cpu")
+    prompt_len, output_len, repeats = args.prompt_len, args.output_len, args.repeats
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    hw = hardware_info()
+
+    llm = LLM(config=engine_config)
+    dtype = next(llm.engine.runner.model.parameters()).dtype
+    vocab = llm.model_info.model_cfg.vocab_size
+    hf = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        weights_dir = resolve_model(engine_config).weights_dir
+        if weights_dir is None:
+            raise SystemExit("the HF peer needs real weights; pass --no-hf with --load-format dummy")
+        hf = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32).eval()
+        pad = hf.generation_config.pad_token_id
+        pad = pad if pad is not None else (hf.generation_config.eos_token_id or 0)
+        if isinstance(pad, list):
+            pad = pad[0]
+
+    results = []
+    for batch in args.batch_sizes:
+        prompts = make_prompts(batch, prompt_len, vocab, engine_config.random_seed + batch)
+        run_specserve(llm, prompts, output_len)  # warm-up: allocator, oneDNN kernel selection, caches
+        if hf is not None:
+            run_hf(hf, prompts, output_len, pad)
+        ss_runs, hf_runs = [], []
+        for _ in range(repeats):
+            # Interleaved so slow drift on a shared machine hits both systems alike.
+            r, ss_tokens = run_specserve(llm, prompts, output_len)
+            ss_runs.append(r)
+            if hf is not None:
+                r, hf_tokens = run_hf(hf, prompts, output_len, pad)
+                hf_runs.append(r)
+        row = {"batch_size": batch, "specserve": _median(ss_runs), "specserve_runs": ss_runs}
+        if hf is not None:
+            row["hf"] = _median(hf_runs)
+            row["hf_runs"] = hf_runs
+            row["decode_ratio"] = row["specserve"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
+            row["ttft_ratio_hf_over_specserve"] = row["hf"]["ttft_s"] / row["specserve"]["ttft_s"]
+            row["greedy_token_agreement"] = _token_agreement(ss_tokens, hf_tokens)
+        results.append(row)
+        _print_row(row)
+
+    report = {
+        "benchmark": "decode_cpu",
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": hw,
+        "settings": {
+            "model": llm.model_info.name,
+            "weights_dir": str(llm.model_info.weights_dir),
+            "device": engine_config.device,
+            "specserve_dtype": str(dtype).removeprefix("torch."),
+            "hf_dtype": "float32",
+            "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None) if hf is not None else None,
+            "batch_sizes": list(args.batch_sizes),
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "repeats": repeats,
+            "prompt_seed": f"random_seed + batch_size ({engine_config.random_seed} + b)",
+            "chunked_prefill_size": engine_config.scheduler.chunked_prefill_size,
+            "page_size": engine_config.cache.page_size,
+            "method": TIMING_METHOD,
+        },
+        "results": results,
+        "ratios": {str(r["batch_size"]): r.get("decode_ratio") for r in results},
+    }
+    _print_table(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    _plot(report, png)
+    print(f"wrote {out} and {png}")
+    return report
+
+
+def _print_row(row: dict) -> None:
+    s = row["specserve"]
+    msg = f"batch {row['batch_size']}: specserve {s['decode_tok_s']:.1f} tok/s (ttft {s['ttft_s'] * 1e3:.0f} ms)"
+    if "hf" in row:
+        msg += f", hf {row['hf']['decode_tok_s']:.1f} tok/s (ttft {row['hf']['ttft_s'] * 1e3:.0f} ms), ratio {row['decode_ratio']:.2f}x"
+    print(msg, flush=True)
+
+
+def _print_table(report: dict) -> None:
+    hw, st = report["hardware"], report["settings"]
+    print(f"\nCPU: {hw['cpu']} | cores {hw['usable_cores']} (logical {hw['logical_cores']}) | torch threads "
+          f"{hw['torch_threads']} | torch {hw['torch']} | transformers {hw['transformers']}")
+    print(f"model {st['model']} | dtype specserve {st['specserve_dtype']}, HF {st['hf_dtype']} | prompt "
+          f"{st['prompt_len']}, output {st['output_len']}, median of {st['repeats']}")
+    head = f"{'batch':>5} | {'specserve tok/s':>15} | {'HF tok/s':>9} | {'ratio':>6} | {'ss TTFT ms':>10} | {'HF TTFT ms':>10} | {'agree':>5}"
+    print(head)
+    print("-" * len(head))
+    for r in report["results"]:
+        s, h = r["specserve"], r.get("hf")
+        print(f"{r['batch_size']:>5} | {s['decode_tok_s']:>15.1f} | "
+              + (f"{h['decode_tok_s']:>9.1f} | {r['decode_ratio']:>5.2f}x | " if h else f"{'-':>9} | {'-':>6} | ")
+              + f"{s['ttft_s'] * 1e3:>10.0f} | " + (f"{h['ttft_s'] * 1e3:>10.0f} | {r['greedy_token_agreement']:>5.2f}" if h else f"{'-':>10} | {'-':>5}"))
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on servers or in CI
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    xs = range(len(rows))
+    has_hf = all("hf" in r for r in rows)
+    width = 0.38 if has_hf else 0.6
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ss = [r["specserve"]["decode_tok_s"] for r in rows]
+    ax.bar([x - width / 2 if has_hf else x for x in xs], ss, width, label="specserve")
+    if has_hf:
+        hf = [r["hf"]["decode_tok_s"] for r in rows]
+        ax.bar([x + width / 2 for x in xs], hf, width, label="HF transformers generate")
+        for x, r in zip(xs, rows):
+            ax.annotate(f"{r['decode_ratio']:.2f}x", (x, max(r["specserve"]["decode_tok_s"], r["hf"]["decode_tok_s"])),
+                        xytext=(0, 4), textcoords="offset points", ha="center", fontsize=9)
+    ax.set_xticks(list(xs), [f"batch {r['batch_size']}" for r in rows])
+    ax.set_ylabel("greedy decode tok/s (prefill excluded)")
+    hw, st = report["hardware"], report["settings"]
+    ax.set_title(f"{st['model']} {st['specserve_dtype']}, {hw['torch_threads']} threads\n{hw['cpu']}", fontsize=9)
+    ax.margins(y=0.15)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,122 @@
+"""Allocator and scheduler invariants. These modules must import without torch."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from specserve.config import SchedulerConfig
+from specserve.engine.kv_pages import OutOfPages, PageAllocator
+from specserve.engine.request import FinishReason, Request, Status
+from specserve.engine.scheduler import Scheduler
+from specserve.sampling_params import SamplingParams
+
+
+def test_pure_python_modules_import_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import specserve, specserve.engine.scheduler, specserve.engine.kv_pages, specserve.config\n"
+        "print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_allocator_never_hands_out_a_page_twice():
+    alloc = PageAllocator(num_pages=8, page_size=4)
+    a = alloc.allocate("a", 3)
+    b = alloc.allocate("b", 5)
+    assert not set(a) & set(b)
+    with pytest.raises(OutOfPages):
+        alloc.allocate("c", 1)
+    alloc.check_invariants()
+    with pytest.raises(RuntimeError):
+        alloc.free("b", a)  # freeing someone else's pages is a bug, caught loudly
+    alloc.free("a", a)
+    alloc.free("b", b)
+    assert alloc.num_free == 8
+    alloc.check_invariants()
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def _drive(scheduler: Scheduler, steps: int, rng: random.Random, aborts: float = 0.0) -> None:
+    """Pretend to run the model: every scheduled sampling seq gets a token; finish at max_tokens."""
+    for _ in range(steps):
+        batch = scheduler.schedule()
+        scheduler.allocator.check_invariants()
+        owned = [p for r in scheduler.running for p in r.page_ids]
+        assert len(owned) == len(set(owned)), "a page is owned by two requests"
+        assert all(not r.page_ids for r in scheduler.waiting)
+        for seq in batch.seqs:
+            req = scheduler.requests[seq.request_id]
+            # Pages cover exactly what this step computes, never less.
+            assert len(req.page_ids) * scheduler.allocator.page_size >= seq.start_pos + len(seq.token_ids)
+            req.num_computed_tokens += len(seq.token_ids)
+            if seq.sample:
+                req.token_ids.append(7)
+                if req.num_output_tokens >= req.max_tokens:
+                    scheduler.finish(req, FinishReason.LENGTH)
+        if aborts and scheduler.requests and rng.random() < aborts:
+            scheduler.abort(rng.choice(list(scheduler.requests)))
+
+
+def test_every_page_comes_back_after_finish_abort_and_preemption():
+    rng = random.Random(0)
+    alloc = PageAllocator(num_pages=24, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_running_requests=6, chunked_prefill_size=32), alloc, max_model_len=96)
+    for i in range(40):
+        sched.add(_request(f"r{i}", rng.randint(1, 40), rng.randint(1, 30)))
+    _drive(sched, 2000, rng, aborts=0.05)
+    assert not sched.has_work()
+    assert sched.num_preemptions > 0, "the pool is small enough that preemption must happen"
+    assert alloc.num_free == alloc.num_pages
+    alloc.check_invariants()
+
+
+def test_chunked_prefill_respects_the_token_budget_and_running_cap():
+    alloc = PageAllocator(num_pages=100, page_size=16)
+    sched = Scheduler(SchedulerConfig(max_running_requests=2, chunked_prefill_size=10), alloc, max_model_len=512)
+    for i in range(3):
+        sched.add(_request(f"r{i}", 25, 4))
+    batch = sched.schedule()
+    assert batch.num_tokens == 10
+    assert [s.request_id for s in batch.seqs] == ["r0"] and not batch.seqs[0].sample
+    for seq in batch.seqs:
+        sched.requests[seq.request_id].num_computed_tokens += len(seq.token_ids)
+    batch = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("r0", 10)]
+    for seq in batch.seqs:
+        sched.requests[seq.request_id].num_computed_tokens += len(seq.token_ids)
+    batch = sched.schedule()  # r0's last 5 tokens, then r1 joins with what budget is left
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in batch.seqs] == [("r0", 5, True), ("r1", 5, False)]
+    assert len(sched.running) == 2 and sched.waiting[0].request_id == "r2"
+
+
+def test_preempted_request_is_recomputed_from_scratch():
+    alloc = PageAllocator(num_pages=4, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=64), alloc, max_model_len=64)
+    sched.add(_request("old", 7, 8))
+    sched.add(_request("new", 7, 8))
+    _drive(sched, 1, random.Random(0))
+    assert {r.request_id for r in sched.running} == {"old", "new"}
+    _drive(sched, 2, random.Random(0))  # the 9th token needs a third page: the pool has 2 x 2
+    new = sched.requests["new"]
+    assert new.status is Status.WAITING and new.num_computed_tokens == 0 and new.num_preemptions == 1
+    assert new.num_output_tokens == 2  # what it generated stays; only its KV is dropped
+    _drive(sched, 100, random.Random(0))
+    assert alloc.num_free == alloc.num_pages
+
+
+def test_requests_that_can_never_fit_are_refused_up_front():
+    alloc = PageAllocator(num_pages=2, page_size=4)
+    sched = Scheduler(SchedulerConfig(), alloc, max_model_len=64)
+    with pytest.raises(ValueError):
+        sched.add(_request("big", 6, 8))  # 14 tokens > 8 slots in the pool
+    with pytest.raises(ValueError):
+        Scheduler(SchedulerConfig(), PageAllocator(100, 4), max_model_len=16).add(_request("long", 10, 10))
+    assert alloc.num_free == 2 and not sched.has_work()
