@@ -61,3 +61,31 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The embedded SmolLM2-135M-Instruct, converted from its GGUF once per test session."""
+    from specserve.models.gguf_convert import cached_conversion, find_embedded_gguf
+
+    return cached_conversion(find_embedded_gguf(), tmp_path_factory.getbasetemp() / "specserve-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama that shares SmolLM2's vocabulary, tokenizer and chat template: fast to run,
+    real text in and out."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    settings = {**TINY_BASE, "vocab_size": 49152, "eos_token_id": 2, "tie_word_embeddings": True,
+                "max_position_embeddings": 1024}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings), dtype=torch.float32)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path

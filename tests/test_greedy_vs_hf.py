@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from specserve.engine.factory import build_engine_core, resolve_model
+from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
 PROMPT_LENS = [3, 17, 40, 9, 64, 25, 1, 33]
@@ -76,8 +76,5 @@ def test_tiny_models_match_transformers(tiny_checkpoint, kind, sharded):
     _check(_tight_config(str(path), max_total_tokens=200), path, vocab=512)
 
 
-def test_smollm2_135m_matches_transformers(tmp_path_factory):
-    config = _tight_config(None, max_total_tokens=200)
-    config = EngineConfig(**{**config.__dict__, "cache_dir": str(tmp_path_factory.getbasetemp() / "cache")})
-    model_dir = resolve_model(config).weights_dir
-    _check(config, model_dir, vocab=49152)
+def test_smollm2_135m_matches_transformers(smollm2_dir):
+    _check(_tight_config(str(smollm2_dir), max_total_tokens=200), smollm2_dir, vocab=49152)

@@ -54,6 +54,8 @@ def hardware_info() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        # Other jobs on a 2-core box skew the figures; the load average at the start says whether they ran alone.
+        "loadavg_at_start": os.getloadavg(),
     }
 
 
@@ -228,6 +230,7 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
         "results": results,
         "ratios": {str(r["batch_size"]): r.get("decode_ratio") for r in results},
     }
+    report["hardware"]["loadavg_at_end"] = os.getloadavg()
     _print_table(report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -42,10 +42,12 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    # Keep a token if fewer than top_k rank above it and the mass strictly above it is below top_p.
+    sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
+    # Top-p acts on what top-k left, renormalised (as HF's warpers chain): keep a token while the
+    # mass ranked above it is still below top_p.
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = (rank >= top_k[:, None]) | (mass_above >= top_p[:, None])
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    sorted_probs = sorted_probs.masked_fill(mass_above >= top_p[:, None], 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
