@@ -21,14 +21,15 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
+def _hf_greedy(model_dir, prompts: list[list[int]], device: str = "cpu") -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     outs = []
     for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        ids = model.generate(torch.tensor([prompt], device=device), max_new_tokens=MAX_TOKENS,
+                             min_new_tokens=MAX_TOKENS, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
         outs.append(ids[0, len(prompt):].tolist())
     return outs
 
@@ -58,10 +59,10 @@ def _tight_config(model_path: str | None, max_total_tokens: int) -> EngineConfig
     )
 
 
-def _check(config: EngineConfig, model_dir, vocab: int) -> None:
+def _check(config: EngineConfig, model_dir, vocab: int, device: str = "cpu") -> None:
     prompts = _prompts(vocab)
     ours, engine = _engine_greedy(config, prompts)
-    theirs = _hf_greedy(model_dir, prompts)
+    theirs = _hf_greedy(model_dir, prompts, device)
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert a == b, f"prompt {i} (len {PROMPT_LENS[i]}) diverged at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
     assert engine.scheduler.num_preemptions > 0, "the pool is meant to be small enough to force preemption"

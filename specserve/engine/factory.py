@@ -41,11 +41,11 @@ def shipped_config(name: str) -> Path | None:
 
 def resolve_model(config: EngineConfig) -> ResolvedModel:
     """Finds config, weights and tokenizer for `config.model_path`, converting a GGUF file once if needed."""
-    from specserve.models import gguf_convert
-
     path_str = config.model_path
     if path_str is None:
-        path = gguf_convert.cached_conversion(gguf_convert.find_embedded_gguf(), default_cache_root(config))
+        from specserve.models.gguf_convert import find_embedded_gguf
+
+        path = _converted(find_embedded_gguf(), config)
         name = DEFAULT_MODEL_NAME
     else:
         path = Path(path_str).expanduser()
@@ -53,7 +53,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
         if not path.exists() and shipped_config(path_str) is not None:
             path = shipped_config(path_str)
         if path.suffix == ".gguf":
-            path = gguf_convert.cached_conversion(path, default_cache_root(config))
+            path = _converted(path, config)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     config_file = path if path.is_file() else path / "config.json"
@@ -62,6 +62,12 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     has_tokenizer = (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()
     weights_dir = None if config.load_format == "dummy" else model_dir
     return ResolvedModel(name, model_cfg, weights_dir, model_dir if has_tokenizer else None)
+
+
+def _converted(gguf_path: Path, config: EngineConfig) -> Path:
+    from specserve.models.gguf_convert import cached_conversion  # needs the gguf package; HF dirs don't
+
+    return cached_conversion(gguf_path, default_cache_root(config))
 
 
 def pick_device(config: EngineConfig) -> torch.device:

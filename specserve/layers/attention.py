@@ -17,7 +17,7 @@ import torch.nn.functional as F
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each token computed this step
     kv_slots: torch.Tensor  # [B, max_kv] slots of each sequence's context, padded with slot 0
-    mask: torch.Tensor  # [B, 1, max_q, max_kv] True where a query may attend
+    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] True where a query may attend; None: attend to all
     query_rows: torch.Tensor | None  # [T] row in the padded [B * max_q] query layout; None if T == B, max_q == 1
     max_q: int
 
@@ -45,6 +45,8 @@ class AttentionMetadata:
         q_pos = starts[:, None] + q_offset[None, :]  # [B, max_q]
         valid_q = q_offset[None, :] < qlens[:, None]
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, max_q, max_kv]
+        if max_q == 1 and min(kv_lens) == max_kv:
+            mask = None  # every query sees its whole row; SDPA's unmasked path is faster
 
         flat_pos = torch.cat([torch.arange(s, s + q) for s, q in zip(start_positions, query_lens)])
         seq_index = torch.repeat_interleave(torch.arange(batch), qlens)
@@ -55,7 +57,7 @@ class AttentionMetadata:
         return cls(
             slot_mapping=slot_mapping.to(device),
             kv_slots=kv_slots.to(device),
-            mask=mask.unsqueeze(1).to(device),
+            mask=None if mask is None else mask.unsqueeze(1).to(device),
             query_rows=None if query_rows is None else query_rows.to(device),
             max_q=max_q,
         )
@@ -79,8 +81,10 @@ def paged_attention(
         q_pad = q.new_zeros(batch * meta.max_q, num_heads, head_dim)
         q_pad[meta.query_rows] = q
         q_pad = q_pad.view(batch, meta.max_q, num_heads, head_dim)
-    keys = kv_cache[0][meta.kv_slots]  # [B, max_kv, Hkv, D]
-    values = kv_cache[1][meta.kv_slots]
+    gather_shape = (*meta.kv_slots.shape, *kv_cache.shape[2:])  # [B, max_kv, Hkv, D]
+    flat_slots = meta.kv_slots.view(-1)
+    keys = kv_cache[0].index_select(0, flat_slots).view(gather_shape)
+    values = kv_cache[1].index_select(0, flat_slots).view(gather_shape)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),
         keys.transpose(1, 2),

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve.config import ModelConfig
+from specserve.layers.linear import can_prepack, prepack_linears
 from specserve.models.registry import model_class
 
 
@@ -36,7 +37,10 @@ def build_model(
         _randomize(model, seed)
     else:
         _load_weights(model, iter_checkpoint(model_dir), progress)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if can_prepack(model):
+        prepack_linears(model)
+    return model
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
