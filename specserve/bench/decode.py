@@ -58,6 +58,7 @@ def hardware_info() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         # Other jobs on a 2-core box skew the figures; the load average at the start says whether they ran alone.
         "loadavg_at_start": os.getloadavg(),
     }
