@@ -5,7 +5,7 @@ import itertools
 from dataclasses import replace
 from typing import Sequence
 
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.config import EngineConfig
 from specserve.engine.factory import build_engine_core
 from specserve.engine.output import OutputTracker, RequestOutput
 from specserve.sampling_params import SamplingParams

@@ -259,3 +259,19 @@ def test_health_turns_503_when_the_engine_process_dies(server, client):
     assert httpx.get(server["base"] + "/health").status_code == 503
     with pytest.raises(openai.InternalServerError):  # 503: refused cleanly, the HTTP server itself lives on
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+def test_a_request_larger_than_the_whole_kv_pool_is_a_400_before_streaming():
+    from types import SimpleNamespace
+
+    from specserve.config import CacheConfig, EngineConfig
+    from specserve.engine.engine import EngineStats
+    from specserve.sampling_params import SamplingParams
+    from specserve.server.api import APIError, _check_fits_in_pool
+
+    engine = SimpleNamespace(stats=EngineStats(0, 0, 0, 4, 0), config=EngineConfig(cache=CacheConfig(page_size=8)),
+                             context_length=1024)
+    _check_fits_in_pool(engine, 10, SamplingParams(max_tokens=22))  # 32 tokens: exactly the pool
+    with pytest.raises(APIError) as err:
+        _check_fits_in_pool(engine, 10, SamplingParams(max_tokens=23))
+    assert err.value.status == 400

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -36,8 +37,9 @@ def run_engine_core(config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> 
         outbox.put(("failed", f"{type(exc).__name__}: {exc}"))
         return
     outbox.put(("ready", core.stats()))
+    parent = os.getppid()
     while True:
-        messages = [inbox.get()] if not core.has_work() else []
+        messages = [] if core.has_work() else _wait_for_message(inbox, parent)
         messages += _drain(inbox)
         deltas: list[TokenDelta] = []
         for message in messages:
@@ -54,6 +56,17 @@ def run_engine_core(config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> 
         if core.has_work():
             deltas += core.step()
         outbox.put(("step", deltas, core.stats()))
+
+
+def _wait_for_message(inbox: mp.Queue, parent: int) -> list:
+    # Wake up now and then to notice a front-end that died without saying goodbye (SIGKILL), so the
+    # engine process never outlives it.
+    while True:
+        try:
+            return [inbox.get(timeout=1.0)]
+        except queue.Empty:
+            if os.getppid() != parent:
+                return [("shutdown",)]
 
 
 def _drain(inbox: mp.Queue) -> list:

@@ -154,6 +154,7 @@ async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int
     if not engine.is_healthy():
         raise APIError(503, "the model is still loading or the engine is down", "ServiceUnavailableError")
     params = _sampling_params(body, len(prompt_ids), engine.context_length)
+    _check_fits_in_pool(engine, len(prompt_ids), params)
     if engine.num_in_flight >= limit:
         raise APIError(429, "the server's request queue is full; retry later", "RateLimitError")
     metrics.prompt_tokens.inc(len(prompt_ids))
@@ -163,6 +164,15 @@ async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int
     if body.stream:
         return StreamingResponse(_sse(results, shape, body.include_usage), media_type="text/event-stream")
     return await _until_done_or_disconnect(raw, _collect(results, shape))
+
+
+def _check_fits_in_pool(engine: AsyncEngine, prompt_len: int, params: SamplingParams) -> None:
+    """A request that could not fit even in an empty KV pool is refused now, not after a 200."""
+    capacity = engine.stats.pages_total * engine.config.cache.page_size
+    needed = prompt_len + (params.max_tokens or engine.context_length - prompt_len)
+    if needed > capacity:
+        raise APIError(400, f"prompt plus max_tokens ({needed} tokens) exceeds the KV pool ({capacity} tokens)",
+                       param="max_tokens")
 
 
 async def _until_done_or_disconnect(raw: Request, work) -> Response:
@@ -218,7 +228,9 @@ async def _collect(results: AsyncIterator[tuple[str, RequestOutput]], shape: _Ch
     try:
         async for _, output in results:
             pass
-    except (EngineError, ValueError) as exc:
+    except ValueError as exc:  # the engine refused the request
+        return _error_response(APIError(400, str(exc)))
+    except EngineError as exc:
         return _error_response(APIError(500, f"generation failed: {exc}", "InternalServerError"))
     finally:
         await results.aclose()  # on cancellation this aborts the request and frees its pages now, not at GC
