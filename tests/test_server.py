@@ -184,6 +184,12 @@ def test_bad_input_raises_the_right_openai_exceptions(client):
         client.completions.create(model="gpt-4", prompt="hi")
 
 
+def test_unsupported_options_are_refused_not_ignored(client):
+    for extra in (dict(n=2), dict(echo=True), dict(logprobs=2), dict(presence_penalty=0.5)):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **extra)
+
+
 def test_malformed_json_is_a_400(server):
     r = httpx.post(server["base"] + "/v1/completions", content=b'{"model": "tiny", "prompt": ',
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})

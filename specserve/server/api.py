@@ -127,6 +127,8 @@ def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
         raise APIError(400, "presence and frequency penalties are not supported", param="presence_penalty")
     if body.logprobs:
         raise APIError(400, "logprobs are not supported", param="logprobs")
+    if getattr(body, "echo", False):
+        raise APIError(400, "echo is not supported", param="echo")
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty", param="prompt")
     if prompt_len >= context:
