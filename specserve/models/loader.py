@@ -75,24 +75,35 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], progress: bool) -> None:
+    cfg = _model_config(model)
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     loaded: set[str] = set()
     for name, tensor in tqdm(weights, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        target, shard = _target_of(model, name)
+        target, shard = _target_of(model.stacked_params, cfg, name)
         if target is None:
             continue
-        _copy_into(params[target], tensor, shard, _shard_sizes(model.config, target))
+        if target in buffers and target not in params:  # e.g. an EAGLE-3 head's d2t / t2d maps
+            buffers[target].copy_(tensor)
+            loaded.add(target)
+            continue
+        _copy_into(params[target], tensor, shard, _shard_sizes(cfg, target))
         loaded.add(target if shard is None else f"{target}#{shard}")
-    _check_complete(model, params, loaded)
+    _check_complete(cfg, params, loaded)
 
 
-def _target_of(model: torch.nn.Module, name: str) -> tuple[str | None, int | None]:
+def _model_config(model: torch.nn.Module) -> ModelConfig:
+    # A draft head wraps the ModelConfig of its one layer; a target model is described by it directly.
+    return getattr(model.config, "model", model.config)
+
+
+def _target_of(stacked: dict, cfg: ModelConfig, name: str) -> tuple[str | None, int | None]:
     name = name.removeprefix("model.")
     if "rotary_emb" in name:
         return None, None
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, None
-    for ckpt_name, (fused, shard) in model.stacked_params.items():
+    for ckpt_name, (fused, shard) in stacked.items():
         if f".{ckpt_name}." in name:
             return name.replace(ckpt_name, fused), shard
     return name, None
@@ -112,10 +123,10 @@ def _shard_sizes(cfg: ModelConfig, fused_name: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
-def _check_complete(model: torch.nn.Module, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+def _check_complete(cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
     expected = set()
     for name in params:
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             expected |= {f"{name}#{i}" for i in range(3)}
@@ -126,3 +137,68 @@ def _check_complete(model: torch.nn.Module, params: dict[str, torch.Tensor], loa
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def load_eagle3_head(
+    model_dir: Path | None,
+    target_cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """An EAGLE-3 head from a public-format checkpoint directory (random weights when `model_dir` is None:
+    then the head is shaped like one target layer, with the full target vocabulary)."""
+    from specserve.models.eagle3 import Eagle3Config, Eagle3Head
+
+    if model_dir is None:
+        hf = {**_target_as_hf(target_cfg), "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}
+    else:
+        hf = json.loads((model_dir / "config.json").read_text())
+    cfg = Eagle3Config.from_hf_config(hf, target_cfg.num_layers)
+    with torch.device(device):
+        head = Eagle3Head(cfg, max_positions)
+    head.to(dtype=dtype)
+    head.rotary.float()
+    if model_dir is None:
+        _randomize(head, seed)
+        head.d2t.zero_()
+    else:
+        weights = ((n, t) for n, t in iter_checkpoint(model_dir) if not n.endswith("embed_tokens.weight"))
+        _load_weights(head, weights, progress=False)
+    head.eval().requires_grad_(False)
+    if can_prepack(head):
+        prepack_linears(head)
+    return head
+
+
+def save_eagle3_head(head: torch.nn.Module, out_dir: Path) -> None:
+    """Writes the public tensor names (unfused q/k/v and gate/up) and config that SGLang and vLLM load."""
+    from safetensors.torch import save_file
+
+    cfg = head.config.model
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    tensors = {}
+    for name, tensor in head.state_dict().items():
+        if "rotary" in name:
+            continue
+        if "qkv_proj" in name:
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv])):
+                tensors[name.replace("qkv_proj", part)] = chunk
+        elif "gate_up_proj" in name:
+            for part, chunk in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
+                tensors[name.replace("gate_up_proj", part)] = chunk
+        else:
+            tensors[name] = tensor
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(head.config.to_hf_config(), indent=2))
+
+
+def _target_as_hf(cfg: ModelConfig) -> dict:
+    return {
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }

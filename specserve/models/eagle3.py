@@ -1,0 +1,153 @@
+"""EAGLE-3 draft head, in the public checkpoint layout SGLang and vLLM load (`LlamaForCausalLMEagle3`).
+
+One decoder layer that reads the target's token embedding together with a hidden state: at the first draft
+step, the target's low/mid/high layer outputs projected by `fc` ([3H] -> H); after that, the head's own
+pre-norm output. Its vocabulary may be a subset of the target's: draft id i is target id i + d2t[i].
+Only the math lives here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.layers.attention import AttentionMetadata, paged_attention
+from specserve.layers.linear import Linear
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+from specserve.models.llama import MLP
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    model: ModelConfig  # the head's own layer: hidden size, heads, rope, norm eps
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_layers: tuple[int, ...]  # which target layer outputs feed `fc`, low to high
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], target_num_layers: int) -> "Eagle3Config":
+        if cfg.get("architectures", [None])[0] != "LlamaForCausalLMEagle3":
+            raise ValueError("not an EAGLE-3 head: architectures must be ['LlamaForCausalLMEagle3']")
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise ValueError("an EAGLE-3 head has exactly one layer")
+        model = ModelConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
+        taps = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            model=model,
+            draft_vocab_size=cfg.get("draft_vocab_size") or model.vocab_size,
+            target_hidden_size=cfg.get("target_hidden_size") or model.hidden_size,
+            target_layers=tuple(taps) if taps else default_target_layers(target_num_layers),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        m = self.model
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": m.hidden_size,
+            "intermediate_size": m.intermediate_size,
+            "num_attention_heads": m.num_heads,
+            "num_key_value_heads": m.num_kv_heads,
+            "head_dim": m.head_dim,
+            "rms_norm_eps": m.rms_norm_eps,
+            "rope_theta": m.rope_theta,
+            "max_position_embeddings": m.max_position_embeddings,
+            "vocab_size": m.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "tie_word_embeddings": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.target_layers)},
+        }
+
+
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention whose q/k/v read [embedding; hidden] (2H) instead of H."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(2 * cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rotary(positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(x, positions, rotary, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Head(nn.Module):
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Eagle3Config, max_positions: int) -> None:
+        super().__init__()
+        m = cfg.model
+        self.config = cfg
+        self.fc = Linear(len(cfg.target_layers) * cfg.target_hidden_size, m.hidden_size, bias=False)
+        self.midlayer = Eagle3MidLayer(m)
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.lm_head = Linear(m.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(m.head_dim, max_positions, m.rope_theta, m.rope_scaling)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(m.vocab_size, dtype=torch.bool))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [T, H] target embeddings of the input tokens
+        hidden: torch.Tensor,  # [T, len(taps) * H_target] target taps, or [T, H] the head's own output
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [1, 2, num_slots, Hkv, D]
+    ) -> torch.Tensor:
+        """Returns the pre-norm hidden state: feed it back for the next draft step, or to `compute_logits`."""
+        if hidden.shape[-1] != embeds.shape[-1]:
+            hidden = self.fc(hidden)
+        return self.midlayer(embeds, hidden, positions, self.rotary, kv_cache[0], meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def vocab_maps(target_ids: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) for a draft vocabulary made of `target_ids` (sorted ascending)."""
+    d2t = target_ids - torch.arange(len(target_ids))
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[target_ids] = True
+    return d2t, t2d
+
