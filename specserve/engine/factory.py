@@ -88,7 +88,7 @@ def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(available, int(CPU_KV_BYTES_CAP / 0.85))
+    return min(available, CPU_KV_BYTES_CAP)
 
 
 def context_length(config: EngineConfig, model_cfg: ModelConfig) -> int:
