@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig, SpecConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +24,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens computed per step")
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-algorithm", default=None, choices=["DRAFT_MODEL"])
+    s.add_argument("--speculative-draft-model-path", default=None, help="HF directory of the draft model")
+    s.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per step (chain depth)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -37,6 +41,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache_dir=args.cache_dir,
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
+        spec=SpecConfig(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps),
     )
 
 

@@ -121,6 +121,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding; flag names follow SGLang's (--speculative-*)."""
+
+    algorithm: str | None = None  # None | "DRAFT_MODEL"
+    draft_model_path: str | None = None
+    num_steps: int = 3  # chain depth: draft tokens proposed per step
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in (None, "DRAFT_MODEL"):
+            raise ValueError(f"unsupported speculative algorithm {self.algorithm!r}")
+        if self.algorithm and not self.draft_model_path:
+            raise ValueError("--speculative-draft-model-path is required with a speculative algorithm")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
@@ -131,6 +146,7 @@ class EngineConfig:
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
 
 @dataclass(frozen=True)

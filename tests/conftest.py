@@ -33,14 +33,14 @@ TINY_CONFIGS = {
 }
 
 
-def write_tiny_checkpoint(kind: str, path, sharded: bool = False) -> None:
+def write_tiny_checkpoint(kind: str, path, sharded: bool = False, seed: int = 0) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = {**TINY_BASE, **TINY_CONFIGS[kind]}
     model_type = settings.pop("model_type")
     config = AutoConfig.for_model(model_type, **settings)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # biases and norms start at zero/one; randomise so the test sees them
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

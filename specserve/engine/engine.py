@@ -13,7 +13,9 @@ log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    def execute(self, batch: StepBatch) -> list[int]: ...
+    def execute(self, batch: StepBatch) -> list[list[int]]:
+        """New tokens for each sequence that samples: accepted drafts, then one sampled (bonus) token."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -78,21 +80,36 @@ class EngineCore:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages, s.num_preemptions)
 
-    def _postprocess(self, batch: StepBatch, sampled: list[int]) -> list[TokenDelta]:
+    def _postprocess(self, batch: StepBatch, sampled: list[list[int]]) -> list[TokenDelta]:
         deltas = []
-        tokens = iter(sampled)
+        results = iter(sampled)
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
-            request.num_computed_tokens += len(seq.token_ids)
             if not seq.sample:
+                request.num_computed_tokens += len(seq.token_ids)
                 continue
-            token = next(tokens)
+            tokens = next(results)
+            accepted_drafts = len(tokens) - 1
+            # KV is kept for the step's own tokens and the accepted drafts; the bonus token has none yet.
+            request.num_computed_tokens += len(seq.token_ids) + accepted_drafts
+            if seq.num_draft_tokens:
+                # The draft saw its own tokens up to the last one it fed back; those that were accepted are valid.
+                request.num_draft_computed_tokens = seq.start_pos + 1 + min(accepted_drafts, seq.num_draft_tokens - 1)
+            emitted = self._append_until_finished(request, tokens)
+            if not request.finished:
+                self.scheduler.trim(request)
+            deltas.append(_delta(request, emitted))
+        return deltas
+
+    def _append_until_finished(self, request: Request, tokens: list[int]) -> list[int]:
+        """Stop conditions apply inside an accepted run: nothing after a stop is ever emitted."""
+        for i, token in enumerate(tokens):
             request.token_ids.append(token)
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)
-            deltas.append(_delta(request, [token]))
-        return deltas
+                return tokens[: i + 1]
+        return tokens
 
     def _step_each_alone(self, batch: StepBatch) -> list[TokenDelta]:
         # A failure is pinned to the request that causes it; the others carry on as if nothing happened.

@@ -15,6 +15,7 @@ from specserve.engine.kv_pages import PageAllocator
 from specserve.engine.runner import ModelRunner, allocate_kv_cache, plan_num_pages
 from specserve.engine.scheduler import Scheduler
 from specserve.models.loader import build_model
+from specserve.spec.proposer import DraftModelProposer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
@@ -103,12 +104,32 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
     max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)
     model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
+    draft = _build_draft(config, dtype, device, max_model_len, progress)
     page_size = config.cache.page_size
-    num_pages = plan_num_pages(model_cfg, config.cache, dtype, free_memory_bytes(device), max_model_len)
+    kv_models = [model_cfg] + ([draft.config] if draft is not None else [])
+    num_pages = plan_num_pages(kv_models, config.cache, dtype, free_memory_bytes(device))
     kv_cache = allocate_kv_cache(model_cfg, num_pages, page_size, dtype, device)
-    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len)
+    proposer, plan = None, None
+    if draft is not None:
+        draft_kv = allocate_kv_cache(draft.config, num_pages, page_size, dtype, device)
+        proposer = DraftModelProposer(draft, draft_kv, device)
+        plan = _fixed_plan(config.spec.num_steps)
+    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
-    return EngineCore(scheduler, ModelRunner(model, kv_cache, device), tuple(dict.fromkeys(eos))), resolved
+    runner = ModelRunner(model, kv_cache, device, proposer)
+    return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos))), resolved
+
+
+def _build_draft(config: EngineConfig, dtype, device, max_model_len: int, progress: bool):
+    if config.spec.algorithm != "DRAFT_MODEL":
+        return None
+    draft_dir = Path(config.spec.draft_model_path).expanduser()
+    draft_cfg = ModelConfig.from_hf_config(json.loads((draft_dir / "config.json").read_text()))
+    return build_model(draft_cfg, draft_dir, dtype, device, max_model_len, config.random_seed, progress)
+
+
+def _fixed_plan(num_steps: int):
+    return lambda request: num_steps
 
 
 def _generation_eos(model_dir: Path | None) -> tuple[int, ...]:

@@ -33,6 +33,8 @@ class Request:
     arrival_index: int = 0
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens whose KV the draft model holds (it lags the target after steps that did not draft).
+    num_draft_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None

@@ -8,47 +8,73 @@ from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.sampler import sample
+from specserve.spec.tree import DraftTree
+from specserve.spec.verify import verify
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device, proposer=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.proposer = proposer
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> list[int]:
-        """Runs the step and returns one new token per sequence whose `sample` flag is set, in order."""
+    def execute(self, batch: StepBatch) -> list[list[int]]:
+        """Runs the step; for each sequence that samples, returns its accepted drafts plus one new token."""
         seqs = batch.seqs
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        drafts = self.proposer.propose(batch) if self.proposer is not None else {}
+        token_lists = [s.token_ids + drafts.get(i, []) for i, s in enumerate(seqs)]
+        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.device)
         positions = torch.cat(
-            [torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in seqs]
+            [torch.arange(s.start_pos, s.start_pos + len(t)) for s, t in zip(seqs, token_lists)]
         ).to(self.device)
         meta = AttentionMetadata.build(
-            [len(s.token_ids) for s in seqs], [s.start_pos for s in seqs], [s.page_ids for s in seqs],
+            [len(t) for t in token_lists], [s.start_pos for s in seqs], [s.page_ids for s in seqs],
             batch.page_size, self.device,
         )
         hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
-        sampling = [s for s in seqs if s.sample]
-        if not sampling:
+        ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
+        # Logit rows: the last row of a plain sequence; root plus every draft of a speculating one.
+        rows, spans = [], []
+        for i, s in enumerate(seqs):
+            if s.sample:
+                width = 1 + len(drafts.get(i, []))
+                spans.append((i, len(rows), width))
+                rows.extend(range(ends[i] - width, ends[i]))
+        if not rows:
             return []
-        ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
-        rows = ends[torch.tensor([s.sample for s in seqs])].to(self.device)
-        logits = self.model.compute_logits(hidden[rows]).float()
-        tokens = sample(logits, [s.params for s in sampling], [s.sample_seed for s in sampling])
-        return tokens.tolist()
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        return self._choose(seqs, drafts, logits, spans)
+
+    def _choose(self, seqs, drafts, logits, spans) -> list[list[int]]:
+        plain = [(i, first) for i, first, width in spans if width == 1]
+        results: dict[int, list[int]] = {}
+        if plain:
+            chosen = sample(
+                logits[[first for _, first in plain]],
+                [seqs[i].params for i, _ in plain],
+                [seqs[i].sample_seed for i, _ in plain],
+            ).tolist()
+            results.update({i: [t] for (i, _), t in zip(plain, chosen)})
+        for i, first, width in spans:
+            if width > 1:
+                s = seqs[i]
+                tree = DraftTree.chain(s.token_ids[-1], drafts[i])
+                generator = None if s.sample_seed is None else torch.Generator(self.device).manual_seed(s.sample_seed)
+                results[i] = verify(logits[first:first + width], tree, s.params, generator).tokens
+        return [results[i] for i, _, _ in spans]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def plan_num_pages(
-    cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, free_bytes: int, max_model_len: int
-) -> int:
-    """Pages that fit in `mem_fraction_static` of free memory, capped by `max_total_tokens`."""
-    by_memory = int(free_bytes * cache.mem_fraction_static) // (kv_bytes_per_token(cfg, dtype) * cache.page_size)
-    num_pages = by_memory
+def plan_num_pages(models: list[ModelConfig], cache: CacheConfig, dtype: torch.dtype, free_bytes: int) -> int:
+    """Pages that fit in `mem_fraction_static` of free memory, capped by `max_total_tokens`. Every model in
+    `models` (the target, and a draft model if any) keeps a pool with the same page layout."""
+    per_token = sum(kv_bytes_per_token(cfg, dtype) for cfg in models)
+    num_pages = int(free_bytes * cache.mem_fraction_static) // (per_token * cache.page_size)
     if cache.max_total_tokens is not None:
         num_pages = min(num_pages, -(-cache.max_total_tokens // cache.page_size))
     if num_pages < 1:

@@ -8,7 +8,8 @@ request is preempted: its pages are freed and it returns to the front of the que
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from specserve.config import SchedulerConfig
 from specserve.engine.kv_pages import PageAllocator
@@ -29,6 +30,11 @@ class ScheduledSeq:
     sample: bool
     # Seed for this one sampling draw, derived from the request seed and output index (None: unseeded).
     sample_seed: int | None
+    # Speculation, decided per step: how many draft tokens to propose and verify after token_ids[-1], and
+    # the tokens the draft model must first catch up on (its KV starts at draft_start_pos).
+    num_draft_tokens: int = 0
+    draft_start_pos: int = 0
+    draft_catchup_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,16 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        max_model_len: int,
+        draft_plan: Callable[[Request], int] | None = None,
+    ) -> None:
         self.config = config
+        # How many tokens to draft for a decoding request this step; None: never speculate.
+        self.draft_plan = draft_plan
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -97,11 +111,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_uncomputed_tokens, budget)
-            if not self._make_room(request, count):
+            drafts = self._num_drafts(request, count, budget)
+            if not self._make_room(request, count + drafts):
                 preempted = True
                 break  # `request` itself was preempted; everything after it is gone too.
-            scheduled.append((request, count))
-            budget -= count
+            scheduled.append((request, count, drafts))
+            budget -= count + drafts
             index += 1
         # Admitting while evicting would thrash, so new work waits for a step without preemption.
         while self.waiting and budget > 0 and not preempted:
@@ -114,9 +129,27 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
-            scheduled.append((request, count))
+            scheduled.append((request, count, 0))
             budget -= count
-        return StepBatch([self._describe(r, n) for r, n in scheduled], self.allocator.page_size)
+        return StepBatch([self._describe(r, n, d) for r, n, d in scheduled], self.allocator.page_size)
+
+    def _num_drafts(self, request: Request, count: int, budget: int) -> int:
+        """Draft only when decoding, and never past max_tokens, the context or the step's budget."""
+        if self.draft_plan is None or count != request.num_uncomputed_tokens or count != 1:
+            return 0
+        room = min(
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens,
+            budget - count,
+        )
+        return max(0, min(self.draft_plan(request), room))
+
+    def trim(self, request: Request) -> None:
+        """Frees pages past the computed tokens: slots of rejected drafts come back at once."""
+        keep = self.allocator.pages_for(request.num_computed_tokens)
+        if len(request.page_ids) > keep:
+            self.allocator.free(request.request_id, request.page_ids[keep:])
+            del request.page_ids[keep:]
 
     def _make_room(self, request: Request, count: int) -> bool:
         """Grow `request` by `count` tokens, preempting the newest running requests as needed."""
@@ -140,6 +173,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -149,7 +183,7 @@ class Scheduler:
         self.allocator.free(request.request_id, request.page_ids)
         request.page_ids = []
 
-    def _describe(self, request: Request, count: int) -> ScheduledSeq:
+    def _describe(self, request: Request, count: int, drafts: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         sample = start + count == request.num_tokens
         seed = request.params.seed
@@ -161,6 +195,9 @@ class Scheduler:
             params=request.params,
             sample=sample,
             sample_seed=None if seed is None else _mix_seed(seed, request.num_output_tokens),
+            num_draft_tokens=drafts,
+            draft_start_pos=request.num_draft_computed_tokens if drafts else 0,
+            draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:start + count] if drafts else [],
         )
 
 
