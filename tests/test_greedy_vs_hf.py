@@ -36,6 +36,12 @@ def _hf_greedy(model_dir, prompts: list[list[int]], device: str = "cpu") -> list
 
 def _engine_greedy(config: EngineConfig, prompts: list[list[int]]):
     engine, _ = build_engine_core(config, progress=False)
+    outputs, _ = run_staggered(engine, prompts)
+    return outputs, engine
+
+
+def run_staggered(engine, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Feeds prompt i at step ARRIVAL_STEPS[i]; returns the greedy outputs and the number of engine steps."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     step = 0
@@ -46,7 +52,7 @@ def _engine_greedy(config: EngineConfig, prompts: list[list[int]]):
         for delta in engine.step():
             outputs[delta.request_id] += delta.new_token_ids
         step += 1
-    return [outputs[str(i)] for i in range(len(prompts))], engine
+    return [outputs[str(i)] for i in range(len(prompts))], step
 
 
 def _tight_config(model_path: str | None, max_total_tokens: int) -> EngineConfig:

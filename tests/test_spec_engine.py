@@ -12,7 +12,7 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 
 from conftest import write_tiny_checkpoint
-from test_greedy_vs_hf import ARRIVAL_STEPS, MAX_TOKENS, PROMPT_LENS, _engine_greedy, _hf_greedy, _prompts, _tight_config
+from test_greedy_vs_hf import _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +29,6 @@ def _spec_engine(target, draft, num_steps: int, max_total_tokens: int = 136):
     return engine
 
 
-def _run(engine, prompts):
-    """The same staggered workload as the greedy reference test, counting engine steps."""
-    params = __import__("specserve.sampling_params", fromlist=["SamplingParams"]).SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = {str(i): [] for i in range(len(prompts))}
-    step = 0
-    while step <= max(ARRIVAL_STEPS) or engine.has_work():
-        for i, arrival in enumerate(ARRIVAL_STEPS):
-            if arrival == step:
-                engine.add_request(str(i), prompts[i], params)
-        for delta in engine.step():
-            outputs[delta.request_id] += delta.new_token_ids
-        step += 1
-    return [outputs[str(i)] for i in range(len(prompts))], step
-
-
 @pytest.mark.parametrize("draft_kind", ["copy", "unrelated"])
 @pytest.mark.parametrize("num_steps", [1, 3, 5])
 def test_greedy_with_speculation_matches_the_reference(tiny_checkpoint, unrelated_draft, draft_kind, num_steps):
@@ -53,7 +37,7 @@ def test_greedy_with_speculation_matches_the_reference(tiny_checkpoint, unrelate
     prompts = _prompts(512)
     reference = _hf_greedy(target, prompts)
     engine = _spec_engine(target, draft, num_steps)
-    ours, steps = _run(engine, prompts)
+    ours, steps = run_staggered(engine, prompts)
     assert ours == reference
     assert engine.scheduler.num_preemptions > 0
     alloc = engine.scheduler.allocator
@@ -62,7 +46,7 @@ def test_greedy_with_speculation_matches_the_reference(tiny_checkpoint, unrelate
     if draft_kind == "copy" and num_steps >= 3:
         # A copy of the target is accepted almost always, so the same work takes far fewer steps.
         plain_engine, _ = build_engine_core(_tight_config(str(target), 200), progress=False)
-        _, plain_steps = _run(plain_engine, prompts)
+        _, plain_steps = run_staggered(plain_engine, prompts)
         assert steps < 0.7 * plain_steps, (steps, plain_steps)
 
 
@@ -73,7 +57,7 @@ def test_draft_length_can_change_every_step_and_per_request(tiny_checkpoint):
     engine = _spec_engine(target, target, num_steps=4)
     rng = random.Random(0)
     engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 1, 2, 4, 7])
-    ours, _ = _run(engine, prompts)
+    ours, _ = run_staggered(engine, prompts)
     assert ours == reference
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages
 
