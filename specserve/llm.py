@@ -52,7 +52,7 @@ class LLM:
             tracker = by_id.get(delta.request_id)
             if tracker is None:
                 continue
-            tracker.update(delta.new_token_ids, delta.finish_reason)
+            tracker.update(delta.new_token_ids, delta.finish_reason, delta)
             if tracker.output.stopped_by_string and delta.finish_reason is None:
                 self.engine.abort([delta.request_id])
 

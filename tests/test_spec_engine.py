@@ -89,3 +89,19 @@ def test_thousands_of_speculative_steps_leak_no_pages(tiny_checkpoint, unrelated
         engine.step()
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
+
+
+def test_offline_api_reports_speculation_figures(tiny_checkpoint):
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    target = tiny_checkpoint("llama", True)
+    llm = LLM(model=str(target), max_total_tokens=1024, spec=SpecConfig("DRAFT_MODEL", str(target), 4))
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True))[0]
+    # A copy of the target is always accepted: 1 prefill token, then 4 steps of 4 drafts + 1 bonus.
+    assert len(out.token_ids) == 21
+    assert out.num_spec_steps == 4 and out.num_drafted_tokens == 16 and out.num_accepted_tokens == 16
+    assert out.mean_acceptance_length == 5.0
+    plain = LLM(model=str(target), max_total_tokens=1024).generate([[5, 6, 7, 8]],
+                                                                  SamplingParams(max_tokens=21, temperature=0.0))[0]
+    assert plain.num_spec_steps == 0 and plain.mean_acceptance_length is None

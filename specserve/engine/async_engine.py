@@ -98,12 +98,14 @@ class AsyncEngine:
         context_length: int,
         on_stats: Callable[[EngineStats], None] = lambda stats: None,
         on_tokens: Callable[[int, float | None, float | None], None] = lambda n, ttft, itl: None,
+        on_spec_step: Callable[[int, int], None] = lambda drafted, accepted: None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.on_stats = on_stats
         self.on_tokens = on_tokens  # (new tokens, time to first token, inter-token latency)
+        self.on_spec_step = on_spec_step  # (tokens drafted, drafts accepted) for each speculative step
         self.state = "loading"
         self.error: str | None = None
         self.stats: EngineStats | None = None
@@ -153,7 +155,7 @@ class AsyncEngine:
                 item = await stream.deltas.get()
                 if isinstance(item, Exception):
                     raise item
-                text = stream.tracker.update(item.new_token_ids, item.finish_reason)
+                text = stream.tracker.update(item.new_token_ids, item.finish_reason, item)
                 output = stream.tracker.output
                 if output.stopped_by_string and item.finish_reason is None:
                     self.abort(request_id)
@@ -202,6 +204,8 @@ class AsyncEngine:
         if stream is None:
             return
         now = time.monotonic()
+        if delta.step_accepted is not None:
+            self.on_spec_step(delta.step_drafted, delta.step_accepted)
         if delta.new_token_ids:
             first = stream.last_token_time is None
             self.on_tokens(

@@ -27,6 +27,11 @@ class TokenDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # Speculation: drafts proposed and accepted this step (None if it did not draft), and running totals.
+    step_drafted: int = 0
+    step_accepted: int | None = None
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,10 +100,14 @@ class EngineCore:
             if seq.num_draft_tokens:
                 # The draft saw its own tokens up to the last one it fed back; those that were accepted are valid.
                 request.num_draft_computed_tokens = seq.start_pos + 1 + min(accepted_drafts, seq.num_draft_tokens - 1)
+                request.num_spec_steps += 1
+                request.num_drafted_tokens += seq.num_draft_tokens
+                request.num_accepted_tokens += accepted_drafts
             emitted = self._append_until_finished(request, tokens)
             if not request.finished:
                 self.scheduler.trim(request)
-            deltas.append(_delta(request, emitted))
+            spec = (seq.num_draft_tokens, accepted_drafts) if seq.num_draft_tokens else (0, None)
+            deltas.append(_delta(request, emitted, *spec))
         return deltas
 
     def _append_until_finished(self, request: Request, tokens: list[int]) -> list[int]:
@@ -136,6 +145,9 @@ class EngineCore:
         return None
 
 
-def _delta(request: Request, new_tokens: list[int]) -> TokenDelta:
+def _delta(request: Request, new_tokens: list[int], step_drafted: int = 0, step_accepted: int | None = None) -> TokenDelta:
     reason = request.finish_reason.value if request.finish_reason is not None else None
-    return TokenDelta(request.request_id, new_tokens, reason, request.num_prompt_tokens, request.num_output_tokens)
+    return TokenDelta(
+        request.request_id, new_tokens, reason, request.num_prompt_tokens, request.num_output_tokens,
+        step_drafted, step_accepted, request.num_drafted_tokens, request.num_accepted_tokens,
+    )

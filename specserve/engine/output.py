@@ -15,6 +15,16 @@ class RequestOutput:
     finish_reason: str | None = None
     # Set when the request stops on a stop string, which the engine core must then be told to abort.
     stopped_by_string: bool = False
+    num_spec_steps: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per speculative step (accepted drafts plus the bonus token)."""
+        if not self.num_spec_steps:
+            return None
+        return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
 
     @property
     def finished(self) -> bool:
@@ -65,11 +75,14 @@ class OutputTracker:
         self.detok = Detokenizer(tokenizer, params)
         self.params = params
 
-    def update(self, new_token_ids: list[int], finish_reason: str | None) -> str:
-        """Returns the text delta to emit for these tokens."""
+    def update(self, new_token_ids: list[int], finish_reason: str | None, delta=None) -> str:
+        """Returns the text delta to emit for these tokens. `delta` (a TokenDelta) carries speculation counts."""
         out = self.output
         if out.finished:
             return ""
+        if delta is not None and delta.step_accepted is not None:
+            out.num_spec_steps += 1
+            out.num_drafted_tokens, out.num_accepted_tokens = delta.num_drafted_tokens, delta.num_accepted_tokens
         out.token_ids.extend(new_token_ids)
         delta = self.detok.push(new_token_ids)
         stop_at = find_stop(self.detok.text, len(delta), self.params.stop)

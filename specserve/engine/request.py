@@ -39,6 +39,10 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Speculation counters: steps that drafted, tokens drafted, drafts accepted.
+    num_spec_steps: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

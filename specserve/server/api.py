@@ -222,7 +222,11 @@ class _ChunkShape:
 
 def _usage(out: RequestOutput) -> Usage:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        spec_draft_tokens=out.num_drafted_tokens, spec_accepted_tokens=out.num_accepted_tokens,
+        spec_mean_acceptance_length=out.mean_acceptance_length,
+    )
 
 
 async def _collect(results: AsyncIterator[tuple[str, RequestOutput]], shape: _ChunkShape) -> Response:

@@ -20,7 +20,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     tokenizer = load_tokenizer(resolved.tokenizer_dir)
     context = context_length(config.engine, resolved.model_cfg)
     metrics = Metrics()
-    engine = AsyncEngine(config.engine, tokenizer, context, metrics.on_stats, metrics.on_tokens)
+    engine = AsyncEngine(config.engine, tokenizer, context, metrics.on_stats, metrics.on_tokens, metrics.on_spec_step)
     name = config.served_model_name or resolved.name
     return build_app(config, engine, metrics, name)
 

@@ -22,6 +22,12 @@ class Metrics:
         self.ttft = Histogram(
             "specserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.spec_drafted = Counter("specserve_spec_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("specserve_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.acceptance_length = Histogram(
+            "specserve_spec_acceptance_length", "Tokens emitted per speculative step (accepted + 1)",
+            buckets=tuple(range(1, 18)), registry=r,
+        )
         self.itl = Histogram(
             "specserve_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -39,6 +45,11 @@ class Metrics:
             self.ttft.observe(ttft)
         if itl is not None:
             self.itl.observe(itl)
+
+    def on_spec_step(self, drafted: int, accepted: int) -> None:
+        self.spec_drafted.inc(drafted)
+        self.spec_accepted.inc(accepted)
+        self.acceptance_length.observe(accepted + 1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

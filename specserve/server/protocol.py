@@ -55,6 +55,10 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Extensions: speculative decoding for this request (zero / null when it never drafted).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_mean_acceptance_length: float | None = None
 
 
 def new_id(prefix: str) -> str:

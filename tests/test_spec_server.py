@@ -1,0 +1,50 @@
+"""Speculation through the HTTP API: usage extension fields and Prometheus series."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from test_server import _free_port, _metric
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_chat_model):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(tiny_chat_model), "--port", str(port),
+           "--served-model-name", "tiny", "--max-total-tokens", "4096", "--speculative-algorithm", "DRAFT_MODEL",
+           "--speculative-draft-model-path", str(tiny_chat_model), "--speculative-num-steps", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None
+        time.sleep(0.1)
+    yield {"base": base}
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def test_usage_and_metrics_report_acceptance(spec_server):
+    client = openai.OpenAI(base_url=spec_server["base"] + "/v1", api_key="none", max_retries=0)
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=17, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    usage = r.usage.model_dump()
+    assert r.usage.completion_tokens == 17
+    # The draft is a copy of the target: every draft is accepted, 3 drafts + 1 bonus per step.
+    assert usage["spec_draft_tokens"] == usage["spec_accepted_tokens"] == 12
+    assert usage["spec_mean_acceptance_length"] == 4.0
+    assert _metric(spec_server, "specserve_spec_draft_tokens_total") == 12
+    assert _metric(spec_server, "specserve_spec_accepted_tokens_total") == 12
+    assert _metric(spec_server, "specserve_spec_acceptance_length_count") == 4
