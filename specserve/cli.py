@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--repeats", type=int, default=3)
     decode.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
     decode.add_argument("--out", default=None, help="write results JSON here")
+    spec = bench_sub.add_parser("spec", help="speculative decode tok/s and acceptance vs no speculation")
+    add_engine_args(spec)
+    spec.add_argument("--num-steps", type=int, nargs="+", default=[1, 3, 5])
+    spec.add_argument("--prompt-len", type=int, default=128)
+    spec.add_argument("--output-len", type=int, default=128)
+    spec.add_argument("--repeats", type=int, default=2)
+    spec.add_argument("--out", default=None, help="write results JSON here")
     return parser
 
 
@@ -88,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.bench.decode import run_decode_bench
 
         run_decode_bench(engine_config(args), args)
+    elif args.command == "bench" and args.bench == "spec":
+        from specserve.bench.spec import run_spec_bench
+
+        run_spec_bench(engine_config(args), args)
     return 0
 
 

@@ -1,0 +1,80 @@
+"""Speculative decoding on the CPU: decode tok/s and acceptance length against no speculation, same run.
+
+Each configuration generates `output_len` greedy tokens for the same seeded prompt; tok/s is
+(output_len - 1) / (time of the last token - time of the first), so prefill stays out, as in
+`bench decode`. The draft is the target itself (acceptance upper bound)."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from specserve.bench.decode import hardware_info, make_prompts
+from specserve.config import EngineConfig, SpecConfig
+from specserve.engine.factory import resolve_model
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+DEFAULT_OUT = Path("benchmarks/results/spec_cpu.json")
+
+
+def _timed_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    tracker = llm.add(prompt, params)
+    stamps = []
+    while llm.engine.has_work():
+        llm.step_and_track([tracker])
+        stamps.append((time.perf_counter(), len(tracker.output.token_ids)))
+    first = next(t for t, n in stamps if n >= 1)
+    out = tracker.output
+    return {
+        "decode_tok_s": (output_len - 1) / (stamps[-1][0] - first),
+        "mean_acceptance_length": out.mean_acceptance_length,
+        "tokens": out.token_ids,
+    }
+
+
+def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
+    if engine_config.device == "auto":
+        engine_config = replace(engine_config, device="cpu")
+    target_dir = str(resolve_model(engine_config).weights_dir)
+    configs = [("no speculation", SpecConfig())] + [
+        (f"draft = target, k={k}", SpecConfig("DRAFT_MODEL", target_dir, k)) for k in args.num_steps
+    ]
+    prompt = make_prompts(1, args.prompt_len, resolve_model(engine_config).model_cfg.vocab_size, 0)[0]
+    rows, reference = [], None
+    for label, spec in configs:
+        llm = LLM(config=replace(engine_config, spec=spec))
+        _timed_run(llm, prompt, 8)  # warm-up
+        runs = [_timed_run(llm, prompt, args.output_len) for _ in range(args.repeats)]
+        reference = reference or runs[0]["tokens"]
+        row = {
+            "config": label,
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "mean_acceptance_length": runs[0]["mean_acceptance_length"],
+            "same_tokens_as_no_spec": runs[0]["tokens"] == reference,
+        }
+        rows.append(row)
+        print(f"{label:24s} {row['decode_tok_s']:7.1f} tok/s  acceptance {row['mean_acceptance_length']}  "
+              f"identical {row['same_tokens_as_no_spec']}", flush=True)
+    base = rows[0]["decode_tok_s"]
+    for row in rows:
+        row["ratio_to_no_spec"] = row["decode_tok_s"] / base
+    report = {
+        "benchmark": "spec_cpu",
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": hardware_info(),
+        "settings": {"model": resolve_model(engine_config).name, "batch_size": 1, "prompt_len": args.prompt_len,
+                     "output_len": args.output_len, "repeats": args.repeats, "greedy": True,
+                     "method": "decode tok/s = (output_len - 1) / (last token time - first token time), median"},
+        "results": rows,
+    }
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
