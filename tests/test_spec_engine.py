@@ -105,3 +105,59 @@ def test_offline_api_reports_speculation_figures(tiny_checkpoint):
     plain = LLM(model=str(target), max_total_tokens=1024).generate([[5, 6, 7, 8]],
                                                                   SamplingParams(max_tokens=21, temperature=0.0))[0]
     assert plain.num_spec_steps == 0 and plain.mean_acceptance_length is None
+
+
+def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
+    """Chi-square on a 16-token vocabulary: the joint law of the first two sampled tokens equals the
+    target's exact one (computed with transformers), while the second token comes out of speculative
+    verification against an unrelated draft, in one continuous batch of thousands of requests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import TINY_BASE, TINY_CONFIGS
+    from specserve.sampling_params import SamplingParams
+
+    vocab, trials, prompt = 16, 4000, [3, 7, 1, 12]
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for path, seed in ((target, 0), (draft, 5)):
+        _write_small_vocab(path, vocab, seed, TINY_BASE, TINY_CONFIGS)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+        follow = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = torch.softmax(hf(follow).logits[:, -1], -1)
+    expected = p1[:, None] * p2 * trials
+
+    config = replace(_tight_config(str(target), 4 * trials * 8), spec=SpecConfig("DRAFT_MODEL", str(draft), 1))
+    config = replace(config, scheduler=replace(config.scheduler, max_running_requests=512, chunked_prefill_size=4096))
+    engine, _ = build_engine_core(config, progress=False)
+    torch.manual_seed(0)
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    for i in range(trials):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {}
+    drafted = 0
+    while engine.has_work():
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            drafted += delta.step_drafted
+    assert drafted >= trials  # every request's second token went through verification
+    counts = torch.zeros(vocab, vocab)
+    for seq in tokens.values():
+        counts[seq[0], seq[1]] += 1
+    cells = expected > 5
+    chi2 = ((counts - expected)[cells] ** 2 / expected[cells]).sum().item()
+    dof = int(cells.sum()) - 1
+    z = 3.090  # 0.999 quantile, Wilson-Hilferty
+    assert chi2 < dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3, (chi2, dof)
+
+
+def _write_small_vocab(path, vocab: int, seed: int, base: dict, kinds: dict) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {**base, **kinds["llama"], "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 1,
+                "initializer_range": 0.1}
+    settings.pop("model_type")
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings), dtype=torch.float32).save_pretrained(path)
