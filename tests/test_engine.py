@@ -112,3 +112,16 @@ def test_find_stop_looks_only_where_new_text_can_complete_a_stop():
     assert find_stop("abc STOP", 3, ("STOP",)) == 4
     assert find_stop("STOP and more", 4, ("STOP",)) is None  # already seen before this delta
     assert find_stop("xx ab", 2, ("ab", "b")) == 3
+
+
+def test_speculative_run_past_a_stop_string_keeps_no_tokens_after_it(tiny_chat_model):
+    from specserve.config import SpecConfig
+
+    spec_llm = LLM(model=str(tiny_chat_model), max_total_tokens=2048, spec=SpecConfig("DRAFT_MODEL", str(tiny_chat_model), 6))
+    full = spec_llm.generate(PROMPTS[0], _greedy(40))[0]
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    cut = spec_llm.generate(PROMPTS[0], _greedy(40, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    decoded = spec_llm.tokenizer.decode(cut.token_ids, skip_special_tokens=True)
+    assert stop in decoded and stop not in spec_llm.tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True)

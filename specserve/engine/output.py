@@ -75,24 +75,36 @@ class OutputTracker:
         self.detok = Detokenizer(tokenizer, params)
         self.params = params
 
-    def update(self, new_token_ids: list[int], finish_reason: str | None, delta=None) -> str:
-        """Returns the text delta to emit for these tokens. `delta` (a TokenDelta) carries speculation counts."""
+    def update(self, new_token_ids: list[int], finish_reason: str | None, step=None) -> str:
+        """Returns the text delta to emit for these tokens. `step` (a TokenDelta) carries speculation counts."""
         out = self.output
         if out.finished:
             return ""
-        if delta is not None and delta.step_accepted is not None:
+        if step is not None and step.step_accepted is not None:
             out.num_spec_steps += 1
-            out.num_drafted_tokens, out.num_accepted_tokens = delta.num_drafted_tokens, delta.num_accepted_tokens
+            out.num_drafted_tokens, out.num_accepted_tokens = step.num_drafted_tokens, step.num_accepted_tokens
         out.token_ids.extend(new_token_ids)
-        delta = self.detok.push(new_token_ids)
-        stop_at = find_stop(self.detok.text, len(delta), self.params.stop)
+        text = self.detok.push(new_token_ids)
+        stop_at = find_stop(self.detok.text, len(text), self.params.stop)
         if stop_at is not None:
-            delta = delta[: max(0, len(delta) - (len(self.detok.text) - stop_at))]
+            text = text[: max(0, len(text) - (len(self.detok.text) - stop_at))]
+            stop_end = stop_at + max(len(s) for s in self.params.stop if self.detok.text.startswith(s, stop_at))
+            self._drop_tokens_after(stop_end, len(new_token_ids))
             out.text = self.detok.text[:stop_at]
             out.finish_reason = "stop"
             out.stopped_by_string = True
-            return delta
+            return text
         out.text = self.detok.text
         if finish_reason is not None:
             out.finish_reason = finish_reason
-        return delta
+        return text
+
+    def _drop_tokens_after(self, text_end: int, num_new: int) -> None:
+        """A multi-token step (speculation) can run past a stop string: keep tokens only up to the one
+        that completes it."""
+        ids = self.output.token_ids
+        skip = self.params.skip_special_tokens
+        for n in range(len(ids) - num_new + 1, len(ids)):
+            if len(self.detok.tokenizer.decode(ids[:n], skip_special_tokens=skip)) >= text_end:
+                del ids[n:]
+                return
