@@ -161,3 +161,47 @@ def _write_small_vocab(path, vocab: int, seed: int, base: dict, kinds: dict) -> 
     settings.pop("model_type")
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings), dtype=torch.float32).save_pretrained(path)
+
+
+class BranchingOracle:
+    """Proposes trees where every level holds a wrong sibling before the target's own next token, and the
+    truth is sometimes cut off, so the accepted path is nodes 2, 4, 6... and KV must be compacted."""
+
+    def __init__(self, full_sequences: dict[str, list[int]], seed: int) -> None:
+        from specserve.spec.tree import DraftTree
+
+        self.full, self.rng, self.tree_type = full_sequences, random.Random(seed), DraftTree
+
+    def propose(self, batch):
+        trees = {}
+        for i, seq in enumerate(batch.seqs):
+            if not seq.num_draft_tokens:
+                continue
+            truth = self.full[seq.request_id][seq.start_pos + 1:]
+            tokens, parents, node = [seq.token_ids[-1]], [-1], 0
+            for depth in range(seq.num_draft_tokens // 2):
+                if depth >= len(truth) or self.rng.random() < 0.15:
+                    break
+                tokens += [(truth[depth] + 1) % 512, truth[depth]]
+                parents += [node, node]
+                node = len(tokens) - 1
+            trees[i] = self.tree_type(tokens, parents)
+        return trees
+
+
+def test_tree_verification_with_kv_compaction_matches_the_reference(tiny_checkpoint):
+    target = tiny_checkpoint("llama", True)
+    prompts = _prompts(512, seed=7)
+    reference = _hf_greedy(target, prompts)
+    engine, _ = build_engine_core(_tight_config(str(target), 136), progress=False)
+    engine.runner.proposer = BranchingOracle({str(i): p + r for i, (p, r) in enumerate(zip(prompts, reference))}, 0)
+    rng = random.Random(2)
+    engine.scheduler.draft_plan = lambda request: rng.choice([0, 2, 5, 8])
+    ours, steps = run_staggered(engine, prompts)
+    assert ours == reference
+    plain_engine, _ = build_engine_core(_tight_config(str(target), 136), progress=False)
+    assert steps < run_staggered(plain_engine, prompts)[1]  # the accepted branches did save steps
+    assert engine.scheduler.num_preemptions > 0
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages
+    alloc.check_invariants()

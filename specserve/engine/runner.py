@@ -8,7 +8,6 @@ from specserve.config import CacheConfig, ModelConfig
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.sampler import sample
-from specserve.spec.tree import DraftTree
 from specserve.spec.verify import verify
 
 
@@ -23,32 +22,37 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> list[list[int]]:
         """Runs the step; for each sequence that samples, returns its accepted drafts plus one new token."""
         seqs = batch.seqs
-        drafts = self.proposer.propose(batch) if self.proposer is not None else {}
-        token_lists = [s.token_ids + drafts.get(i, []) for i, s in enumerate(seqs)]
+        trees = self.proposer.propose(batch) if self.proposer is not None else {}
+        # A speculating sequence computes its whole draft tree: one slot per node, in node order, each node
+        # at position root + depth and attending to its ancestors only.
+        token_lists = [trees[i].tokens if i in trees else s.token_ids for i, s in enumerate(seqs)]
+        positions = torch.cat([
+            torch.tensor(trees[i].depths()) + s.start_pos if i in trees
+            else torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
+            for i, s in enumerate(seqs)
+        ]).to(self.device)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.device)
-        positions = torch.cat(
-            [torch.arange(s.start_pos, s.start_pos + len(t)) for s, t in zip(seqs, token_lists)]
-        ).to(self.device)
         meta = AttentionMetadata.build(
             [len(t) for t in token_lists], [s.start_pos for s in seqs], [s.page_ids for s in seqs],
             batch.page_size, self.device,
+            tree_masks=[trees[i].ancestor_mask() if i in trees else None for i in range(len(seqs))] if trees else None,
         )
         hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
         ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
-        # Logit rows: the last row of a plain sequence; root plus every draft of a speculating one.
+        # Logit rows: the last row of a plain sequence; every tree node of a speculating one.
         rows, spans = [], []
         for i, s in enumerate(seqs):
             if s.sample:
-                width = 1 + len(drafts.get(i, []))
+                width = len(token_lists[i]) if i in trees else 1
                 spans.append((i, len(rows), width))
                 rows.extend(range(ends[i] - width, ends[i]))
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-        return self._choose(seqs, drafts, logits, spans)
+        return self._choose(seqs, trees, logits, spans, batch.page_size)
 
-    def _choose(self, seqs, drafts, logits, spans) -> list[list[int]]:
-        plain = [(i, first) for i, first, width in spans if width == 1]
+    def _choose(self, seqs, trees, logits, spans, page_size: int) -> list[list[int]]:
+        plain = [(i, first) for i, first, _ in spans if i not in trees]
         results: dict[int, list[int]] = {}
         if plain:
             chosen = sample(
@@ -58,12 +62,26 @@ class ModelRunner:
             ).tolist()
             results.update({i: [t] for (i, _), t in zip(plain, chosen)})
         for i, first, width in spans:
-            if width > 1:
+            if i in trees:
                 s = seqs[i]
-                tree = DraftTree.chain(s.token_ids[-1], drafts[i])
                 generator = None if s.sample_seed is None else torch.Generator(self.device).manual_seed(s.sample_seed)
-                results[i] = verify(logits[first:first + width], tree, s.params, generator).tokens
+                verdict = verify(logits[first:first + width], trees[i], s.params, generator)
+                self._compact_kv(s, verdict.accepted_nodes, page_size)
+                results[i] = verdict.tokens
         return [results[i] for i, _, _ in spans]
+
+    def _compact_kv(self, seq, accepted_nodes: list[int], page_size: int) -> None:
+        """Moves the KV of accepted tree nodes to the positions they now hold (node n was written at
+        slot root + n, and the d-th accepted node belongs at root + d). A chain needs no move."""
+        moves = [(n, d) for d, n in enumerate(accepted_nodes, start=1) if n != d]
+        if not moves:
+            return
+        def slot(offset: int) -> int:
+            pos = seq.start_pos + offset
+            return seq.page_ids[pos // page_size] * page_size + pos % page_size
+        src = torch.tensor([slot(n) for n, _ in moves], device=self.device)
+        dst = torch.tensor([slot(d) for _, d in moves], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

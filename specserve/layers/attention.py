@@ -29,7 +29,10 @@ class AttentionMetadata:
         page_tables: list[list[int]],
         page_size: int,
         device: torch.device,
+        tree_masks: list[torch.Tensor | None] | None = None,
     ) -> "AttentionMetadata":
+        """`tree_masks[b]`, if given, is a [q, q] ancestor mask replacing causality among sequence b's step
+        tokens (a draft tree stored parents-first, one slot per node)."""
         batch = len(query_lens)
         max_q = max(query_lens)
         kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
@@ -45,6 +48,10 @@ class AttentionMetadata:
         q_pos = starts[:, None] + q_offset[None, :]  # [B, max_q]
         valid_q = q_offset[None, :] < qlens[:, None]
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, max_q, max_kv]
+        for b, tree in enumerate(tree_masks or []):
+            if tree is not None:
+                q, start = query_lens[b], start_positions[b]
+                mask[b, :q, start:start + q] = tree
         if max_q == 1 and min(kv_lens) == max_kv:
             mask = None  # every query sees its whole row; SDPA's unmasked path is faster
 

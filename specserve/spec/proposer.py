@@ -1,7 +1,8 @@
 """Proposers draft tokens for the sequences of one step. The runner calls them; they never call back.
 
-`propose(batch) -> {sequence index: draft tokens}` for every sequence with `num_draft_tokens > 0`.
-Drafts are chosen deterministically (argmax), which is what makes `spec.verify` lossless for them.
+`propose(batch) -> {sequence index: DraftTree}` for every sequence with `num_draft_tokens > 0`, rooted at the
+sequence's last token, with `num_draft_tokens` drafts. Drafts are chosen deterministically (argmax), which is
+what makes `spec.verify` lossless for them.
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 
 from specserve.engine.scheduler import ScheduledSeq, StepBatch
 from specserve.layers.attention import AttentionMetadata
+from specserve.spec.tree import DraftTree
 
 
 class Proposer(Protocol):
-    def propose(self, batch: StepBatch) -> dict[int, list[int]]: ...
+    def propose(self, batch: StepBatch) -> dict[int, DraftTree]: ...
 
 
 class DraftModelProposer:
@@ -32,7 +34,7 @@ class DraftModelProposer:
         self.device = device
 
     @torch.inference_mode()
-    def propose(self, batch: StepBatch) -> dict[int, list[int]]:
+    def propose(self, batch: StepBatch) -> dict[int, DraftTree]:
         spec = [(i, s) for i, s in enumerate(batch.seqs) if s.num_draft_tokens > 0]
         if not spec:
             return {}
@@ -44,7 +46,7 @@ class DraftModelProposer:
             chunks = [([drafts[i][-1]], s.start_pos + depth) for i, s in active]
             for (i, _), t in zip(active, self._forward_last(chunks, [s for _, s in active], batch.page_size)):
                 drafts[i].append(t)
-        return drafts
+        return {i: DraftTree.chain(s.token_ids[-1], drafts[i]) for i, s in spec}
 
     def _forward_last(self, chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq], page_size: int) -> list[int]:
         """Runs each (tokens, start position) chunk and returns the argmax after its last token."""
