@@ -41,11 +41,12 @@ def _timed_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
 def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
     if engine_config.device == "auto":
         engine_config = replace(engine_config, device="cpu")
-    target_dir = str(resolve_model(engine_config).weights_dir)
+    resolved = resolve_model(engine_config)
+    target_dir = str(resolved.weights_dir)
     configs = [("no speculation", SpecConfig())] + [
         (f"draft = target, k={k}", SpecConfig("DRAFT_MODEL", target_dir, k)) for k in args.num_steps
     ]
-    prompt = make_prompts(1, args.prompt_len, resolve_model(engine_config).model_cfg.vocab_size, 0)[0]
+    prompt = make_prompts(1, args.prompt_len, resolved.model_cfg.vocab_size, 0)[0]
     rows, reference = [], None
     for label, spec in configs:
         llm = LLM(config=replace(engine_config, spec=spec))
@@ -68,7 +69,7 @@ def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dic
         "benchmark": "spec_cpu",
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hardware": hardware_info(),
-        "settings": {"model": resolve_model(engine_config).name, "batch_size": 1, "prompt_len": args.prompt_len,
+        "settings": {"model": resolved.name, "batch_size": 1, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "repeats": args.repeats, "greedy": True,
                      "method": "decode tok/s = (output_len - 1) / (last token time - first token time), median"},
         "results": rows,

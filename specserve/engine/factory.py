@@ -51,8 +51,9 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     else:
         path = Path(path_str).expanduser()
         name = path_str
-        if not path.exists() and shipped_config(path_str) is not None:
-            path = shipped_config(path_str)
+        shipped = None if path.exists() else shipped_config(path_str)
+        if shipped is not None:
+            path = shipped
         if path.suffix == ".gguf":
             path = _converted(path, config)
     if not path.exists():

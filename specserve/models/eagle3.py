@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.layers.attention import AttentionMetadata, paged_attention
+from specserve.layers.attention import AttentionMetadata
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
-from specserve.models.llama import MLP
+from specserve.models.llama import MLP, STACKED_PARAMS, Attention
 
 
 @dataclass(frozen=True)
@@ -69,30 +69,12 @@ def default_target_layers(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-class Eagle3Attention(nn.Module):
-    """Self-attention whose q/k/v read [embedding; hidden] (2H) instead of H."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(2 * cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
-
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rotary(positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
-
-
 class Eagle3MidLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = Attention(cfg, in_features=2 * cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -103,13 +85,7 @@ class Eagle3MidLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    stacked_params = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    stacked_params = STACKED_PARAMS
 
     def __init__(self, cfg: Eagle3Config, max_positions: int) -> None:
         super().__init__()
