@@ -25,9 +25,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens computed per step")
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", default=None, choices=["DRAFT_MODEL"])
-    s.add_argument("--speculative-draft-model-path", default=None, help="HF directory of the draft model")
-    s.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per step (chain depth)")
+    s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "DRAFT_MODEL"])
+    s.add_argument("--speculative-draft-model-path", default=None,
+                   help="EAGLE3: a head in the public EAGLE-3 format; DRAFT_MODEL: a smaller HF causal LM")
+    s.add_argument("--speculative-num-steps", type=int, default=3, help="levels of the draft tree (chain depth)")
+    s.add_argument("--speculative-eagle-topk", type=int, default=1, help="children per node; 1 drafts a chain")
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="tokens verified per request per step, root included (default: steps * topk + 1)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -41,7 +45,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache_dir=args.cache_dir,
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
-        spec=SpecConfig(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps),
+        spec=SpecConfig(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
+                        args.speculative_eagle_topk, args.speculative_num_draft_tokens),
     )
 
 

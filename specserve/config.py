@@ -122,17 +122,38 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding; flag names follow SGLang's (--speculative-*)."""
+    """Speculative decoding; flag names and meanings follow SGLang's (--speculative-*).
 
-    algorithm: str | None = None  # None | "DRAFT_MODEL"
+    `num_draft_tokens` counts the tokens one request verifies per step, the root included, so a step drafts
+    up to num_draft_tokens - 1 tokens. With topk = 1 (a chain) it is num_steps + 1.
+    """
+
+    algorithm: str | None = None  # None | "EAGLE3" | "DRAFT_MODEL"
+    # EAGLE3: a head in the public EAGLE-3 format (None: random, only with --load-format dummy).
+    # DRAFT_MODEL: a smaller causal LM with the target's tokenizer.
     draft_model_path: str | None = None
-    num_steps: int = 3  # chain depth: draft tokens proposed per step
+    num_steps: int = 3  # levels of the draft tree (chain depth when topk = 1)
+    eagle_topk: int = 1  # children expanded per node; 1 drafts a chain
+    num_draft_tokens: int | None = None  # None: num_steps * topk + 1
 
     def __post_init__(self) -> None:
-        if self.algorithm not in (None, "DRAFT_MODEL"):
+        if self.algorithm not in (None, "EAGLE3", "DRAFT_MODEL"):
             raise ValueError(f"unsupported speculative algorithm {self.algorithm!r}")
-        if self.algorithm and not self.draft_model_path:
-            raise ValueError("--speculative-draft-model-path is required with a speculative algorithm")
+        if self.algorithm == "DRAFT_MODEL" and not self.draft_model_path:
+            raise ValueError("--speculative-draft-model-path is required with DRAFT_MODEL")
+        if self.num_steps < 1 or self.eagle_topk < 1:
+            raise ValueError("--speculative-num-steps and --speculative-eagle-topk must be at least 1")
+        if self.num_draft_tokens is None or self.eagle_topk == 1:
+            # A chain verifies exactly its drafts plus the root, as in SGLang.
+            object.__setattr__(self, "num_draft_tokens", self.num_steps * self.eagle_topk + 1)
+        most = self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+        if not 2 <= self.num_draft_tokens <= most + 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [2, {most + 1}] for "
+                             f"{self.num_steps} steps of top-{self.eagle_topk}")
+
+    @property
+    def max_drafts(self) -> int:
+        return self.num_draft_tokens - 1
 
 
 @dataclass(frozen=True)

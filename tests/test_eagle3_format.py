@@ -61,7 +61,7 @@ def _run(head, tokens: list[int]) -> torch.Tensor:
     meta = AttentionMetadata.build([n], [0], [[0]], 16, torch.device("cpu"))
     embeds = torch.randn(n, H, generator=torch.Generator().manual_seed(1))
     taps = torch.randn(n, 3 * H, generator=torch.Generator().manual_seed(2))
-    return head.compute_logits(head(embeds, taps, torch.arange(n), meta, kv))
+    return head.compute_logits(head(embeds, head.project_taps([taps]), torch.arange(n), meta, kv))
 
 
 def test_public_checkpoint_loads_and_round_trips(tmp_path):
@@ -89,6 +89,6 @@ def test_public_checkpoint_loads_and_round_trips(tmp_path):
 
 def test_random_head_uses_default_taps_and_the_full_vocabulary():
     head = load_eagle3_head(None, TARGET, torch.float32, torch.device("cpu"), 512)
-    assert head.config.target_layers == default_target_layers(LAYERS) == (2, 4, 5)
+    assert head.config.target_layers == default_target_layers(LAYERS) == (1, 3, 4)
     assert head.config.draft_vocab_size == VOCAB
     assert torch.equal(head.to_target_ids(torch.arange(VOCAB)), torch.arange(VOCAB))

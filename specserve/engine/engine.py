@@ -98,10 +98,9 @@ class EngineCore:
             # KV is kept for the step's own tokens and the accepted drafts; the bonus token has none yet.
             request.num_computed_tokens += len(seq.token_ids) + accepted_drafts
             if seq.num_draft_tokens:
-                # The draft saw its own tokens up to the last one it fed back; those that were accepted are valid.
-                # This holds for chain drafts (DraftModelProposer); a tree-drafting proposer must keep its
-                # own KV in step with this counter differently.
-                request.num_draft_computed_tokens = seq.start_pos + 1 + min(accepted_drafts, seq.num_draft_tokens - 1)
+                # Drafters keep KV only for what they were given up to the root: KV of draft nodes is thrown
+                # away, and the accepted ones are caught up on with the true inputs next time.
+                request.num_draft_computed_tokens = seq.start_pos + len(seq.token_ids)
                 request.num_spec_steps += 1
                 request.num_drafted_tokens += seq.num_draft_tokens
                 request.num_accepted_tokens += accepted_drafts

@@ -12,10 +12,12 @@ import torch
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.engine import EngineCore
 from specserve.engine.kv_pages import PageAllocator
-from specserve.engine.runner import ModelRunner, allocate_kv_cache, plan_num_pages
+from specserve.engine.runner import ModelRunner, allocate_kv_cache, kv_bytes_per_token, plan_num_pages
 from specserve.engine.scheduler import Scheduler
-from specserve.models.loader import build_model
-from specserve.spec.proposer import DraftModelProposer
+from specserve.models.eagle3 import Eagle3Head
+from specserve.models.loader import build_model, load_eagle3_head
+from specserve.spec.drafters import DraftModelDrafter, Eagle3Drafter
+from specserve.spec.proposer import TreeProposer, scratch_slots
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
@@ -105,32 +107,71 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
     max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)
     model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
-    draft = _build_draft(config, dtype, device, max_model_len, progress)
+    draft = _build_draft_network(config, model_cfg, dtype, device, max_model_len, progress)
     page_size = config.cache.page_size
-    kv_models = [model_cfg] + ([draft.config] if draft is not None else [])
-    num_pages = plan_num_pages(kv_models, config.cache, dtype, free_memory_bytes(device))
-    kv_cache = allocate_kv_cache(model_cfg, num_pages, page_size, dtype, device)
+    per_token = kv_bytes_per_token(model_cfg, dtype) + (_draft_bytes_per_token(draft, dtype) if draft else 0)
+    num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device))
+    kv_cache = allocate_kv_cache(model_cfg, num_pages * page_size, dtype, device)
     proposer, plan = None, None
     if draft is not None:
-        draft_kv = allocate_kv_cache(draft.config, num_pages, page_size, dtype, device)
-        proposer = DraftModelProposer(draft, draft_kv, device)
-        plan = _fixed_plan(config.spec.num_steps)
-    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan)
+        proposer = _build_proposer(config, draft, model, num_pages * page_size, dtype, device)
+        plan = _fixed_plan(config.spec.max_drafts)
+    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
+                          config.spec.max_drafts)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     runner = ModelRunner(model, kv_cache, device, proposer)
     return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos))), resolved
 
 
-def _build_draft(config: EngineConfig, dtype, device, max_model_len: int, progress: bool):
-    if config.spec.algorithm != "DRAFT_MODEL":
+def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, device, max_model_len: int,
+                         progress: bool) -> torch.nn.Module | None:
+    spec = config.spec
+    if spec.algorithm is None:
         return None
-    draft_dir = Path(config.spec.draft_model_path).expanduser()
-    draft_cfg = ModelConfig.from_hf_config(json.loads((draft_dir / "config.json").read_text()))
-    return build_model(draft_cfg, draft_dir, dtype, device, max_model_len, config.random_seed, progress)
+    path = None if spec.draft_model_path is None else Path(spec.draft_model_path).expanduser()
+    if path is not None and not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in the draft model path {path}")
+    if spec.algorithm == "EAGLE3":
+        if path is None and config.load_format != "dummy":
+            raise ValueError("--speculative-draft-model-path is required for EAGLE3 (a random head needs "
+                             "--load-format dummy)")
+        head = load_eagle3_head(path, target_cfg, dtype, device, max_model_len, config.random_seed)
+        if head.config.target_hidden_size != target_cfg.hidden_size or head.d2t.max() + head.config.draft_vocab_size > target_cfg.vocab_size:
+            raise ValueError("the EAGLE-3 head does not match the target: hidden size or vocabulary differ")
+        return head
+    draft_cfg = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    if draft_cfg.vocab_size > target_cfg.vocab_size:
+        raise ValueError("the draft model's vocabulary is larger than the target's: not the same tokenizer")
+    return build_model(draft_cfg, path, dtype, device, max_model_len, config.random_seed, progress)
 
 
-def _fixed_plan(num_steps: int):
-    return lambda request: num_steps
+def _is_eagle3(draft: torch.nn.Module) -> bool:
+    return isinstance(draft, Eagle3Head)
+
+
+def _draft_bytes_per_token(draft: torch.nn.Module, dtype: torch.dtype) -> int:
+    if not _is_eagle3(draft):
+        return kv_bytes_per_token(draft.config, dtype)
+    # One layer of KV, plus the projected target taps kept for catching up.
+    hidden = draft.config.model.hidden_size
+    return kv_bytes_per_token(draft.config.model, dtype) + hidden * torch.empty((), dtype=dtype).element_size()
+
+
+def _build_proposer(config: EngineConfig, draft: torch.nn.Module, target: torch.nn.Module, num_slots: int,
+                    dtype, device) -> TreeProposer:
+    spec = config.spec
+    scratch = config.scheduler.max_running_requests * scratch_slots(spec.eagle_topk, spec.num_steps, spec.max_drafts)
+    if _is_eagle3(draft):
+        kv = allocate_kv_cache(draft.config.model, num_slots + scratch, dtype, device)
+        taps = torch.zeros(num_slots, draft.config.model.hidden_size, dtype=dtype, device=device)
+        drafter = Eagle3Drafter(draft, target.embed_tokens, kv, taps, device)
+    else:
+        drafter = DraftModelDrafter(draft, allocate_kv_cache(draft.config, num_slots + scratch, dtype, device), device)
+    return TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots, device)
+
+
+def _fixed_plan(num_drafts: int):
+    return lambda request: num_drafts
 
 
 def _generation_eos(model_dir: Path | None) -> tuple[int, ...]:

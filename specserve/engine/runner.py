@@ -37,7 +37,10 @@ class ModelRunner:
             batch.page_size, self.device,
             tree_masks=[trees[i].ancestor_mask() if i in trees else None for i in range(len(seqs))] if trees else None,
         )
-        hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
+        if self.proposer is not None:
+            self.proposer.observe(captured, meta.slot_mapping)
         ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
         # Logit rows: the last row of a plain sequence; every tree node of a speculating one.
         rows, spans = [], []
@@ -82,16 +85,16 @@ class ModelRunner:
         src = torch.tensor([slot(n) for n, _ in moves], device=self.device)
         dst = torch.tensor([slot(d) for _, d in moves], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        self.proposer.move_slots(src, dst)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def plan_num_pages(models: list[ModelConfig], cache: CacheConfig, dtype: torch.dtype, free_bytes: int) -> int:
-    """Pages that fit in `mem_fraction_static` of free memory, capped by `max_total_tokens`. Every model in
-    `models` (the target, and a draft model if any) keeps a pool with the same page layout."""
-    per_token = sum(kv_bytes_per_token(cfg, dtype) for cfg in models)
+def plan_num_pages(per_token: int, cache: CacheConfig, free_bytes: int) -> int:
+    """Pages that fit in `mem_fraction_static` of free memory, capped by `max_total_tokens`. `per_token` sums
+    what every pool with the target's page layout keeps per token (the target's KV, a drafter's KV and taps)."""
     num_pages = int(free_bytes * cache.mem_fraction_static) // (per_token * cache.page_size)
     if cache.max_total_tokens is not None:
         num_pages = min(num_pages, -(-cache.max_total_tokens // cache.page_size))
@@ -100,7 +103,5 @@ def plan_num_pages(models: list[ModelConfig], cache: CacheConfig, dtype: torch.d
     return num_pages
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, device) -> torch.Tensor:
-    return torch.zeros(
-        cfg.num_layers, 2, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
-    )
+def allocate_kv_cache(cfg: ModelConfig, num_slots: int, dtype, device) -> torch.Tensor:
+    return torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)

@@ -56,10 +56,13 @@ class Scheduler:
         allocator: PageAllocator,
         max_model_len: int,
         draft_plan: Callable[[Request], int] | None = None,
+        max_draft_tokens: int = 0,
     ) -> None:
         self.config = config
-        # How many tokens to draft for a decoding request this step; None: never speculate.
+        # How many tokens to draft for a decoding request this step (at most max_draft_tokens, what the
+        # proposer was sized for); None: never speculate.
         self.draft_plan = draft_plan
+        self.max_draft_tokens = max_draft_tokens
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -138,6 +141,7 @@ class Scheduler:
         if self.draft_plan is None or count != request.num_uncomputed_tokens or count != 1:
             return 0
         room = min(
+            self.max_draft_tokens,
             request.max_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens,
             budget - count,

@@ -70,6 +70,32 @@ class AttentionMetadata:
         )
 
 
+    @classmethod
+    def from_slots(
+        cls, kv_slots: list[torch.Tensor], masks: list[torch.Tensor], device: torch.device
+    ) -> "AttentionMetadata":
+        """The general form, for drafting trees in scratch slots: sequence b attends over the slots
+        `kv_slots[b]` ([L]) as `masks[b]` ([q, L]) allows, and its q step tokens are written to the last q
+        of those slots."""
+        batch = len(kv_slots)
+        query_lens = [m.shape[0] for m in masks]
+        max_q, max_kv = max(query_lens), max(len(s) for s in kv_slots)
+        slots = torch.zeros(batch, max_kv, dtype=torch.long)
+        mask = torch.zeros(batch, max_q, max_kv, dtype=torch.bool)
+        for b, (row, m) in enumerate(zip(kv_slots, masks)):
+            slots[b, : len(row)] = row
+            mask[b, : m.shape[0], : len(row)] = m
+        slot_mapping = torch.cat([row[len(row) - q:] for row, q in zip(kv_slots, query_lens)])
+        query_rows = torch.cat([torch.arange(q) + b * max_q for b, q in enumerate(query_lens)])
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            kv_slots=slots.to(device),
+            mask=mask.unsqueeze(1).to(device),
+            query_rows=query_rows.to(device) if max_q > 1 else None,
+            max_q=max_q,
+        )
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]

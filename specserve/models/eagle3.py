@@ -26,7 +26,8 @@ class Eagle3Config:
     model: ModelConfig  # the head's own layer: hidden size, heads, rope, norm eps
     draft_vocab_size: int
     target_hidden_size: int
-    target_layers: tuple[int, ...]  # which target layer outputs feed `fc`, low to high
+    # Which target layer outputs feed `fc`, low to high, numbered as in `eagle_aux_hidden_state_layer_ids`.
+    target_layers: tuple[int, ...]
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], target_num_layers: int) -> "Eagle3Config":
@@ -66,7 +67,10 @@ class Eagle3Config:
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
-    return (2, num_layers // 2, num_layers - 3)
+    """The residual streams entering layers 2, L/2 and L-3, which are the outputs of the layers before them.
+    SGLang and SpecForge use the same default, so a head trained without `eagle_config` lines up."""
+    taps = (1, num_layers // 2 - 1, num_layers - 4)
+    return tuple(min(max(t, 0), num_layers - 1) for t in taps)  # tiny test models have too few layers
 
 
 class Eagle3MidLayer(nn.Module):
@@ -99,17 +103,19 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(m.vocab_size, dtype=torch.bool))
 
+    def project_taps(self, taps: list[torch.Tensor]) -> torch.Tensor:
+        """[T, H] from the target's tapped layer outputs, low to high."""
+        return self.fc(torch.cat(taps, dim=-1))
+
     def forward(
         self,
         embeds: torch.Tensor,  # [T, H] target embeddings of the input tokens
-        hidden: torch.Tensor,  # [T, len(taps) * H_target] target taps, or [T, H] the head's own output
+        hidden: torch.Tensor,  # [T, H] projected target taps, or the head's own previous output
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [1, 2, num_slots, Hkv, D]
     ) -> torch.Tensor:
         """Returns the pre-norm hidden state: feed it back for the next draft step, or to `compute_logits`."""
-        if hidden.shape[-1] != embeds.shape[-1]:
-            hidden = self.fc(hidden)
         return self.midlayer(embeds, hidden, positions, self.rotary, kv_cache[0], meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -102,14 +102,15 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_slots, Hkv, D]
         capture_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Returns the final normed hidden states and the outputs of the layers in `capture_layers`."""
+        """Returns the final normed hidden states and the outputs of the layers in `capture_layers`, in that
+        order (a layer may be named twice)."""
         x = self.embed_tokens(input_ids)
-        captured = []
+        outputs = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rotary, kv_cache[i], meta)
             if i in capture_layers:
-                captured.append(x)
-        return self.norm(x), captured
+                outputs[i] = x
+        return self.norm(x), [outputs[i] for i in capture_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

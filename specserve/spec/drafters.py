@@ -1,0 +1,101 @@
+"""The two drafters behind `TreeProposer`: a standalone draft model, and an EAGLE-3 head on the target.
+
+Both keep a KV pool that mirrors the target's pages, plus a scratch region for the tree search. Both catch up
+lazily: a request that has not drafted for a while keeps no draft state up to date, and the next step that
+drafts for it first computes what was missed, in one batched forward. So turning speculation off costs
+nothing per step (the EAGLE-3 head only stores the target's projected taps, one row per token).
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.scheduler import ScheduledSeq
+from specserve.layers.attention import AttentionMetadata
+
+
+def _catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq], page_size: int, device):
+    """Token ids, positions and attention metadata for (tokens, start position) chunks, one per sequence."""
+    input_ids = torch.tensor([t for ids, _ in chunks for t in ids], device=device)
+    positions = torch.cat([torch.arange(p, p + len(ids)) for ids, p in chunks]).to(device)
+    meta = AttentionMetadata.build(
+        [len(ids) for ids, _ in chunks], [p for _, p in chunks], [s.page_ids for s in seqs], page_size, device
+    )
+    last = (torch.tensor([len(ids) for ids, _ in chunks]).cumsum(0) - 1).to(device)
+    return input_ids, positions, meta, last
+
+
+class DraftModelDrafter:
+    """A smaller causal LM with the target's tokenizer. At position j it reads token j, like the target."""
+
+    shift = 0
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, None]:
+        # Every token from the first the draft has not seen up to the root, itself included.
+        chunks = [(s.draft_catchup_ids, s.draft_start_pos) for s in seqs]
+        input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
+        hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
+        return self.model.compute_logits(hidden[last]), None
+
+    def extend(self, tokens, states, positions, meta) -> tuple[torch.Tensor, None]:
+        hidden, _ = self.model(tokens, positions, meta, self.kv_cache)
+        return self.model.compute_logits(hidden), None
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def observe(self, captured, slot_mapping) -> None:
+        pass
+
+    def move_slots(self, src, dst) -> None:
+        pass  # drafts' KV is recomputed from the accepted tokens at the next catch-up
+
+
+class Eagle3Drafter:
+    """An EAGLE-3 head. At position j it reads the target's taps at j (projected by `fc`) and the embedding of
+    token j+1, and predicts token j+2; fed back, it reads its own output in place of the taps.
+
+    `taps` holds the projected taps of every token the target computed, at that token's KV slot, so catching
+    up needs no extra target work.
+    """
+
+    shift = 1
+
+    def __init__(self, head: torch.nn.Module, embed: torch.nn.Module, kv_cache: torch.Tensor, taps: torch.Tensor,
+                 device: torch.device) -> None:
+        self.head = head
+        self.embed = embed
+        self.kv_cache = kv_cache
+        self.taps = taps
+        self.device = device
+        self.capture_layers = head.config.target_layers
+
+    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        self.taps.index_copy_(0, slot_mapping, self.head.project_taps(captured).to(self.taps.dtype))
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.taps[dst] = self.taps[src]
+
+    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The draft has seen tokens [draft_start_pos, root]; position j pairs token j+1 with the taps of j,
+        # so the positions to compute run from draft_start_pos - 1 (never below 0) to root - 1.
+        chunks = []
+        for s in seqs:
+            first = max(s.draft_start_pos - 1, 0)
+            chunks.append((s.draft_catchup_ids[first + 1 - s.draft_start_pos:], first))
+        input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
+        hidden = self.taps[meta.slot_mapping]
+        out = self.head(self.embed(input_ids), hidden, positions, meta, self.kv_cache)
+        return self.head.compute_logits(out[last]), out[last]
+
+    def extend(self, tokens, states, positions, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.head(self.embed(tokens), states, positions, meta, self.kv_cache)
+        return self.head.compute_logits(out), out
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_ids(ids)
