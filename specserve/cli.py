@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--out", default=None, help="write results JSON here")
     spec = bench_sub.add_parser("spec", help="speculative decode tok/s and acceptance vs no speculation")
     add_engine_args(spec)
-    spec.add_argument("--num-steps", type=int, nargs="+", default=[1, 3, 5])
+    spec.add_argument("--num-steps", type=int, nargs="+", default=[1, 3, 5], help="chain lengths to run")
+    spec.add_argument("--tree", type=int, nargs=3, default=[4, 5, 16], metavar=("TOPK", "STEPS", "TOKENS"),
+                      help="the tree shape to run")
     spec.add_argument("--prompt-len", type=int, default=128)
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=2)

@@ -175,10 +175,12 @@ def test_offline_api_reports_speculation_figures(tiny_checkpoint):
     assert plain.num_spec_steps == 0 and plain.mean_acceptance_length is None
 
 
-def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("topk,num_steps,num_draft_tokens", [(1, 1, None), (2, 2, 4)])
+def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, topk, num_steps, num_draft_tokens):
     """Chi-square on a 16-token vocabulary: the joint law of the first two sampled tokens equals the
     target's exact one (computed with transformers), while the second token comes out of speculative
-    verification against an unrelated draft, in one continuous batch of thousands of requests."""
+    verification against an unrelated draft (a chain, or a tree with two children at the root), in one
+    continuous batch of thousands of requests."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -196,11 +198,12 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
         p2 = torch.softmax(hf(follow).logits[:, -1], -1)
     expected = p1[:, None] * p2 * trials
 
-    config = replace(_tight_config(str(target), 4 * trials * 8), spec=SpecConfig("DRAFT_MODEL", str(draft), 1))
+    spec = SpecConfig("DRAFT_MODEL", str(draft), num_steps, topk, num_draft_tokens)
+    config = replace(_tight_config(str(target), 4 * trials * 8), spec=spec)
     config = replace(config, scheduler=replace(config.scheduler, max_running_requests=512, chunked_prefill_size=4096))
     engine, _ = build_engine_core(config, progress=False)
     torch.manual_seed(0)
-    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)
     for i in range(trials):
         engine.add_request(str(i), prompt, params)
     tokens: dict[str, list[int]] = {}
@@ -281,3 +284,19 @@ def test_tree_verification_with_kv_compaction_matches_the_reference(tiny_checkpo
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
     alloc.check_invariants()
+
+
+def test_sglang_flags_build_the_spec_config():
+    from specserve.cli import build_parser, engine_config
+
+    args = build_parser().parse_args([
+        "serve", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "head",
+        "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16",
+    ])
+    spec = engine_config(args).spec
+    assert spec == SpecConfig("EAGLE3", "head", 5, 4, 16) and spec.max_drafts == 15
+    assert SpecConfig("EAGLE3", "head", 3, 1, 9).num_draft_tokens == 4  # a chain verifies steps + 1, as in SGLang
+    with pytest.raises(ValueError, match="num-draft-tokens"):
+        SpecConfig("EAGLE3", "head", 1, 2, 8)  # one level of top-2 offers two drafts
+    with pytest.raises(ValueError, match="draft-model-path"):
+        SpecConfig("DRAFT_MODEL")

@@ -2,13 +2,16 @@
 
 Each configuration generates `output_len` greedy tokens for the same seeded prompt; tok/s is
 (output_len - 1) / (time of the last token - time of the first), so prefill stays out, as in
-`bench decode`. The draft is the target itself (acceptance upper bound)."""
+`bench decode`. Two drafts bracket what any draft can do: a copy of the target as a draft model (nearly
+everything accepted: the upper bound) and a random-weight EAGLE-3 head (nearly nothing: the lower bound,
+which is the pure cost of drafting and verifying). Each drafts a chain per `--num-steps` and one tree."""
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,14 +41,33 @@ def _timed_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
     }
 
 
+def _random_head(model_cfg, out_dir: Path) -> Path:
+    import torch
+
+    from specserve.models.loader import load_eagle3_head, save_eagle3_head
+
+    save_eagle3_head(load_eagle3_head(None, model_cfg, torch.float32, torch.device("cpu"), 4096), out_dir)
+    return out_dir
+
+
+def _spec_configs(args: argparse.Namespace, target_dir: str, head_dir: str) -> list[tuple[str, SpecConfig]]:
+    topk, steps, tokens = args.tree
+    configs = [("no speculation", SpecConfig())]
+    for name, algorithm, path in (("upper bound: draft model = target", "DRAFT_MODEL", target_dir),
+                                  ("lower bound: random EAGLE-3 head", "EAGLE3", head_dir)):
+        configs += [(f"{name}, chain {k}", SpecConfig(algorithm, path, k)) for k in args.num_steps]
+        configs.append((f"{name}, tree topk {topk} steps {steps} tokens {tokens}",
+                        SpecConfig(algorithm, path, steps, topk, tokens)))
+    return configs
+
+
 def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
     if engine_config.device == "auto":
         engine_config = replace(engine_config, device="cpu")
     resolved = resolve_model(engine_config)
-    target_dir = str(resolved.weights_dir)
-    configs = [("no speculation", SpecConfig())] + [
-        (f"draft = target, k={k}", SpecConfig("DRAFT_MODEL", target_dir, k)) for k in args.num_steps
-    ]
+    scratch = tempfile.TemporaryDirectory()
+    head_dir = _random_head(resolved.model_cfg, Path(scratch.name) / "random-eagle3")
+    configs = _spec_configs(args, str(resolved.weights_dir), str(head_dir))
     prompt = make_prompts(1, args.prompt_len, resolved.model_cfg.vocab_size, 0)[0]
     rows, reference = [], None
     for label, spec in configs:
@@ -60,7 +82,7 @@ def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dic
             "same_tokens_as_no_spec": runs[0]["tokens"] == reference,
         }
         rows.append(row)
-        print(f"{label:24s} {row['decode_tok_s']:7.1f} tok/s  acceptance {row['mean_acceptance_length']}  "
+        print(f"{label:64s} {row['decode_tok_s']:7.1f} tok/s  acceptance {row['mean_acceptance_length']}  "
               f"identical {row['same_tokens_as_no_spec']}", flush=True)
     base = rows[0]["decode_tok_s"]
     for row in rows:
