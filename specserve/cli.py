@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--num-steps", type=int, nargs="+", default=[1, 3, 5], help="chain lengths to run")
     spec.add_argument("--tree", type=int, nargs=3, default=[4, 5, 16], metavar=("TOPK", "STEPS", "TOKENS"),
                       help="the tree shape to run")
+    spec.add_argument("--draft-vocab-size", type=int, default=16384, help="draft vocabulary of the random head")
     spec.add_argument("--prompt-len", type=int, default=128)
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=2)

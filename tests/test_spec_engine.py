@@ -118,21 +118,28 @@ def test_a_copy_of_the_target_saves_steps(tiny_checkpoint, greedy_reference):
     assert spec_steps < 0.7 * plain_steps, (spec_steps, plain_steps)
 
 
-def test_draft_length_can_change_every_step_and_per_request(tiny_checkpoint):
+@pytest.mark.parametrize("draft_kind,topk,num_steps,num_draft_tokens", [("copy", 1, 7, None), ("noisy-copy", 4, 3, 16)])
+def test_draft_length_can_change_every_step_and_per_request(tiny_checkpoint, drafts, draft_kind, topk, num_steps,
+                                                            num_draft_tokens):
     target = tiny_checkpoint("llama", True)
     prompts = _prompts(512, seed=3)
     reference, _ = _engine_greedy(_tight_config(str(target), 200), prompts)
-    engine = _spec_engine(target, target, num_steps=7)
+    algorithm, draft = drafts[draft_kind]
+    engine = _spec_engine(target, draft, num_steps, algorithm=algorithm, topk=topk, num_draft_tokens=num_draft_tokens)
     rng = random.Random(0)
-    engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 1, 2, 4, 7])
+    most = engine.scheduler.max_draft_tokens
+    engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 1, 2, most // 2, most])
     ours, _ = run_staggered(engine, prompts)
     assert ours == reference
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages
 
 
-def test_thousands_of_speculative_steps_leak_no_pages(tiny_checkpoint, unrelated_draft):
+@pytest.mark.parametrize("algorithm,topk", [("DRAFT_MODEL", 1), ("EAGLE3", 2)])
+def test_thousands_of_speculative_steps_leak_no_pages(tiny_checkpoint, unrelated_draft, drafts, algorithm, topk):
     target = tiny_checkpoint("llama", True)
-    engine = _spec_engine(target, unrelated_draft, num_steps=3, max_total_tokens=160)
+    draft = unrelated_draft if algorithm == "DRAFT_MODEL" else drafts["eagle3-random"][1]
+    engine = _spec_engine(target, draft, num_steps=3, max_total_tokens=160, algorithm=algorithm, topk=topk,
+                          num_draft_tokens=7)
     rng = random.Random(1)
     engine.scheduler.draft_plan = lambda request: rng.choice([0, 1, 3, 6])
     from specserve.sampling_params import SamplingParams

@@ -41,12 +41,15 @@ def _timed_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
     }
 
 
-def _random_head(model_cfg, out_dir: Path) -> Path:
+def _random_head(model_cfg, out_dir: Path, draft_vocab_size: int) -> Path:
+    """A random head costs what a trained one of the same draft vocabulary costs, and accepts ~nothing."""
     import torch
 
     from specserve.models.loader import load_eagle3_head, save_eagle3_head
 
-    save_eagle3_head(load_eagle3_head(None, model_cfg, torch.float32, torch.device("cpu"), 4096), out_dir)
+    head = load_eagle3_head(None, model_cfg, torch.float32, torch.device("cpu"), 4096,
+                            draft_vocab_size=min(draft_vocab_size, model_cfg.vocab_size))
+    save_eagle3_head(head, out_dir)
     return out_dir
 
 
@@ -66,7 +69,7 @@ def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dic
         engine_config = replace(engine_config, device="cpu")
     resolved = resolve_model(engine_config)
     scratch = tempfile.TemporaryDirectory()
-    head_dir = _random_head(resolved.model_cfg, Path(scratch.name) / "random-eagle3")
+    head_dir = _random_head(resolved.model_cfg, Path(scratch.name) / "random-eagle3", args.draft_vocab_size)
     configs = _spec_configs(args, str(resolved.weights_dir), str(head_dir))
     prompt = make_prompts(1, args.prompt_len, resolved.model_cfg.vocab_size, 0)[0]
     rows, reference = [], None
@@ -91,7 +94,7 @@ def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dic
         "benchmark": "spec_cpu",
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hardware": hardware_info(),
-        "settings": {"model": resolved.name, "batch_size": 1, "prompt_len": args.prompt_len,
+        "settings": {"model": resolved.name, "batch_size": 1, "random_head_draft_vocab": args.draft_vocab_size, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "repeats": args.repeats, "greedy": True,
                      "method": "decode tok/s = (output_len - 1) / (last token time - first token time), median"},
         "results": rows,

@@ -146,13 +146,16 @@ def load_eagle3_head(
     device: torch.device,
     max_positions: int,
     seed: int = 0,
+    draft_vocab_size: int | None = None,
 ) -> torch.nn.Module:
     """An EAGLE-3 head from a public-format checkpoint directory (random weights when `model_dir` is None:
-    then the head is shaped like one target layer, with the full target vocabulary)."""
+    then the head is shaped like one target layer, drafting over the first `draft_vocab_size` target ids,
+    all of them by default)."""
     from specserve.models.eagle3 import Eagle3Config, Eagle3Head
 
     if model_dir is None:
-        hf = {**_target_as_hf(target_cfg), "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}
+        hf = {**_target_as_hf(target_cfg), "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+              "draft_vocab_size": draft_vocab_size or target_cfg.vocab_size}
     else:
         hf = json.loads((model_dir / "config.json").read_text())
     cfg = Eagle3Config.from_hf_config(hf, target_cfg.num_layers)
@@ -163,6 +166,7 @@ def load_eagle3_head(
     if model_dir is None:
         _randomize(head, seed)
         head.d2t.zero_()
+        head.t2d.copy_(torch.arange(target_cfg.vocab_size, device=device) < cfg.draft_vocab_size)
     else:
         weights = ((n, t) for n, t in iter_checkpoint(model_dir) if not n.endswith("embed_tokens.weight"))
         _load_weights(head, weights, progress=False)
