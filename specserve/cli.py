@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-eagle-topk", type=int, default=1, help="children per node; 1 drafts a chain")
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tokens verified per request per step, root included (default: steps * topk + 1)")
+    s.add_argument("--speculative-simulate-accept-len", type=float, default=None,
+                   help="speed studies only: accept drafts at random with this mean acceptance length; the "
+                        "output is not the model's and is labelled simulated")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -46,8 +49,42 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
         spec=SpecConfig(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
-                        args.speculative_eagle_topk, args.speculative_num_draft_tokens),
+                        args.speculative_eagle_topk, args.speculative_num_draft_tokens,
+                        args.speculative_simulate_accept_len),
     )
+
+
+def _numbers(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    from specserve.bench.sweep import DEFAULT_CONCURRENCY
+
+    m = p.add_argument_group("what to load")
+    m.add_argument("--base-url", default=None, help="an OpenAI-compatible server: specserve, SGLang or vLLM")
+    m.add_argument("--api-key", default=None)
+    m.add_argument("--offline", action="store_true", help="run the engine in this process instead (engine flags apply)")
+    m.add_argument("--compare", nargs="+", default=None, metavar="JSONL", help="overlay saved runs; no load is sent")
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", type=_numbers(int), default=DEFAULT_CONCURRENCY,
+                      help="comma-separated levels (closed loop)")
+    load.add_argument("--request-rate", type=_numbers(float), default=None,
+                      help="comma-separated Poisson arrival rates (req/s) instead of concurrency levels")
+    load.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(50, 4C))")
+    load.add_argument("--dataset", default="sharegpt", help="sharegpt | mt-bench | random | path to a JSONL file")
+    load.add_argument("--random-input-len", type=int, default=512)
+    load.add_argument("--random-output-len", type=int, default=256)
+    load.add_argument("--random-vocab-size", type=int, default=32000, help="token ids of random prompts stay below this")
+    load.add_argument("--max-tokens", type=int, default=None, help="default: the dataset's answer length, else 256")
+    load.add_argument("--ignore-eos", action="store_true")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--api", choices=["chat", "completions"], default="chat")
+    load.add_argument("--seed", type=int, default=0)
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default=None, help="JSONL file for the records (the plot goes next to it)")
+    out.add_argument("--label", default=None, help="this run's name in tables and plots")
+    out.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: serving sweeps (online, offline, compare), decode, spec")
+    add_sweep_args(bench)
+    add_engine_args(bench)
+    bench_sub = bench.add_subparsers(dest="bench", required=False)
     decode = bench_sub.add_parser("decode", help="greedy decode tok/s vs Hugging Face generate")
     add_engine_args(decode)
     decode.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -107,6 +146,27 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.bench.spec import run_spec_bench
 
         run_spec_bench(engine_config(args), args)
+    elif args.command == "bench":
+        return _sweep(args)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from specserve.bench import sweep
+    from specserve.bench.serving import BenchError
+
+    try:
+        if args.compare:
+            sweep.run_compare(args)
+        elif args.offline:
+            sweep.run_offline(engine_config(args), args)
+        elif args.base_url:
+            sweep.run_online(args)
+        else:
+            raise BenchError("say what to measure: --base-url URL, --offline, or --compare A.jsonl B.jsonl")
+    except (BenchError, FileNotFoundError, ValueError) as err:
+        print(f"specserve bench: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

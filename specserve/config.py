@@ -135,8 +135,12 @@ class SpecConfig:
     num_steps: int = 3  # levels of the draft tree (chain depth when topk = 1)
     eagle_topk: int = 1  # children expanded per node; 1 drafts a chain
     num_draft_tokens: int | None = None  # None: num_steps * topk + 1
+    # Speed studies only: accept a drawn number of drafts with mean acceptance length tau (spec/simulate.py).
+    simulate_accept_len: float | None = None
 
     def __post_init__(self) -> None:
+        if self.simulate_accept_len is not None and (self.algorithm is None or self.simulate_accept_len < 1):
+            raise ValueError("--speculative-simulate-accept-len needs a speculative algorithm and a value >= 1")
         if self.algorithm not in (None, "EAGLE3", "DRAFT_MODEL"):
             raise ValueError(f"unsupported speculative algorithm {self.algorithm!r}")
         if self.algorithm == "DRAFT_MODEL" and not self.draft_model_path:

@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from specserve.engine.phases import NoTimer
 from specserve.engine.request import FinishReason, Request
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.timer = NoTimer()
 
     @property
     def max_model_len(self) -> int:
@@ -71,15 +73,22 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta]:
-        batch = self.scheduler.schedule()
+        with self.timer.phase("schedule"):
+            batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        self.timer.steps += 1
         try:
             sampled = self.runner.execute(batch)
         except Exception:
             log.exception("step failed; retrying its requests one by one")
             return self._step_each_alone(batch)
-        return self._postprocess(batch, sampled)
+        with self.timer.phase("postprocess"):
+            return self._postprocess(batch, sampled)
+
+    def time_phases(self, timer) -> None:
+        """Times each step's phases into `timer` (a PhaseTimer), runner phases included."""
+        self.timer = self.runner.timer = timer
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -119,7 +119,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
     scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
                           config.spec.max_drafts)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
-    runner = ModelRunner(model, kv_cache, device, proposer)
+    runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed)
     return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos))), resolved
 
 

