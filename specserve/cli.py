@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens computed per step")
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run every GPU step eagerly")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured in a graph")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "DRAFT_MODEL"])
     s.add_argument("--speculative-draft-model-path", default=None,
@@ -46,6 +48,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         context_length=args.context_length,
         random_seed=args.random_seed,
         cache_dir=args.cache_dir,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
         spec=SpecConfig(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from specserve.bench import sweep
-    from specserve.bench.serving import BenchError
+    from specserve.bench.report import BenchError
 
     try:
         if args.compare:

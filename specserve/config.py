@@ -169,6 +169,8 @@ class EngineConfig:
     context_length: int | None = None
     random_seed: int = 0
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

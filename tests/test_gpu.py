@@ -1,15 +1,17 @@
-"""The same correctness checks on a GPU. Skipped on machines without CUDA (CI has none)."""
+"""The same correctness checks on a GPU, with CUDA graphs on. Skipped on machines without CUDA (CI has none)."""
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 import torch
 
+from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from test_greedy_vs_hf import _check, _tight_config
+from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -19,6 +21,31 @@ def test_tiny_models_match_transformers_on_gpu_fp32(tiny_checkpoint, kind):
     path = tiny_checkpoint(kind)
     config = replace(_tight_config(str(path), max_total_tokens=200), device="cuda")
     _check(config, path, vocab=512, device="cuda")
+
+
+def test_decode_steps_replay_cuda_graphs_and_match_eager(tiny_checkpoint):
+    path = tiny_checkpoint("llama", True)
+    prompts = _prompts(512, seed=5)
+    config = replace(_tight_config(str(path), max_total_tokens=200), device="cuda")
+    graphed, engine = _engine_greedy(config, prompts)
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 20
+    eager, engine = _engine_greedy(replace(config, disable_cuda_graph=True), prompts)
+    assert engine.runner.graphs is None
+    assert graphed == eager == _hf_greedy(path, prompts, "cuda")
+
+
+@pytest.mark.parametrize("algorithm,topk", [("DRAFT_MODEL", 1), ("DRAFT_MODEL", 4)])
+def test_speculation_with_graphs_matches_the_reference_fp32(tiny_checkpoint, algorithm, topk):
+    path = tiny_checkpoint("llama", True)
+    prompts = _prompts(512, seed=6)
+    reference = _hf_greedy(path, prompts, "cuda")
+    spec = SpecConfig(algorithm, str(path), 3, topk, 8 if topk > 1 else None)
+    engine, _ = build_engine_core(replace(_tight_config(str(path), 200), device="cuda", spec=spec), progress=False)
+    rng = random.Random(0)
+    engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 2, engine.scheduler.max_draft_tokens])
+    ours, _ = run_staggered(engine, prompts)
+    assert ours == reference
+    assert engine.runner.graphs.num_replays > 0  # steps without drafts replayed graphs
 
 
 def test_llama_8b_shaped_dummy_generates_in_bf16():
@@ -38,3 +65,67 @@ def test_llama_8b_shaped_dummy_generates_in_bf16():
     assert all(len(v) == 8 and all(0 <= t < 128256 for t in v) for v in produced.values())
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_attention_matches_the_reference(dtype):
+    """Paged decode kernel vs the gather + SDPA reference: scattered pages, lengths 1 to 1000, GQA 4:1."""
+    from specserve.layers.attention import AttentionMetadata, paged_attention
+    from specserve.layers.triton_attention import num_splits
+
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim, lens = 16, 32, 8, 128, [1, 17, 300, 1000, 64]
+    pages_per_seq = [-(-n // page) for n in lens]
+    order = torch.randperm(sum(pages_per_seq) + 4).tolist()  # pages scattered through the pool
+    tables, start = [], 0
+    for n in pages_per_seq:
+        tables.append(order[start:start + n])
+        start += n
+    slots = (sum(pages_per_seq) + 4) * page
+    pool = torch.randn(2, slots, kv_heads, dim, device="cuda", dtype=dtype)
+    q = torch.randn(len(lens), heads, dim, device="cuda", dtype=dtype)
+    k_new = pool[0].new_zeros(len(lens), kv_heads, dim)
+    positions = [n - 1 for n in lens]
+    # Write each sequence's last K/V through the kernel path too, then compare against the reference.
+    k_new.copy_(torch.stack([pool[0, t[p // page] * page + p % page] for t, p in zip(tables, positions)]))
+    v_new = torch.stack([pool[1, t[p // page] * page + p % page] for t, p in zip(tables, positions)])
+    reference = paged_attention(q, k_new, v_new, pool.clone(), AttentionMetadata.build(
+        [1] * len(lens), positions, tables, page, torch.device("cuda")), dim**-0.5)
+    width = max(pages_per_seq)
+    meta = replace(AttentionMetadata.build([1] * len(lens), positions, tables, page, torch.device("cuda")),
+                   block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                             device="cuda"),
+                   seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), page_size=page,
+                   num_splits=num_splits(width * page))
+    ours = paged_attention(q, k_new, v_new, pool.clone(), meta, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), reference.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_eagle3_taps_stored_by_graphed_steps_draft_like_eager_ones(tiny_checkpoint, tmp_path):
+    """Steps that draft nothing replay graphs, which also store the EAGLE-3 head's taps; the drafts made
+    from them later equal those of a run with graphs off (a peaked random head, fp32)."""
+    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+
+    path = tiny_checkpoint("llama", True)
+    head = load_eagle3_head(None, read_model_config(path), torch.float32, torch.device("cpu"), 512, seed=3)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(15.0)
+    save_eagle3_head(head, tmp_path)
+    prompts = _prompts(512, seed=8)
+    runs = []
+    for disable in (False, True):
+        spec = SpecConfig("EAGLE3", str(tmp_path), 3, 2, 6)
+        config = replace(_tight_config(str(path), 200), device="cuda", spec=spec, disable_cuda_graph=disable)
+        engine, _ = build_engine_core(config, progress=False)
+        rng = random.Random(0)
+        engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 0, 5])
+        trees, propose = [], engine.runner.proposer.propose
+        engine.runner.proposer.propose = lambda batch: trees.append(propose(batch)) or trees[-1]
+        outputs, _ = run_staggered(engine, prompts)
+        runs.append((outputs, [{i: (t.tokens, t.parents) for i, t in step.items()} for step in trees]))
+        assert (engine.runner.graphs is None) == disable
+    assert runs[0] == runs[1]
+    assert runs[0][0] == _hf_greedy(path, prompts, "cuda")

@@ -124,8 +124,27 @@ class _StampStreamer:
         pass
 
 
+def _hf_peer(resolved, llm, dtype: torch.dtype):
+    """HF transformers on the same device: the same checkpoint, or random weights of the same shape for
+    `--load-format dummy` (then tokens cannot be compared, only speed). fp32 on a CPU, else specserve's dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = next(llm.engine.runner.model.parameters()).device
+    hf_dtype = torch.float32 if device.type == "cpu" else dtype
+    if resolved.weights_dir is not None:
+        return AutoModelForCausalLM.from_pretrained(str(resolved.weights_dir), dtype=hf_dtype).to(device).eval()
+    from specserve.engine.factory import shipped_config
+
+    path = Path(llm.config.model_path)
+    path = path if path.exists() else shipped_config(llm.config.model_path)
+    fields = json.loads((path if path.is_file() else path / "config.json").read_text())
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    with torch.device(device):  # random init where the model lives: fast on a GPU
+        return AutoModelForCausalLM.from_config(config, dtype=hf_dtype).eval()
+
+
 def run_hf(model, prompts: list[list[int]], output_len: int, pad_token_id: int) -> tuple[dict, list[list[int]]]:
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
     streamer = _StampStreamer()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -206,10 +225,7 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        weights_dir = resolve_model(engine_config).weights_dir
-        if weights_dir is None:
-            raise SystemExit("the HF peer needs real weights; pass --no-hf with --load-format dummy")
-        hf = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32).eval()
+        hf = _hf_peer(resolve_model(engine_config), llm, dtype)
         pad = hf.generation_config.pad_token_id
         pad = pad if pad is not None else (hf.generation_config.eos_token_id or 0)
         if isinstance(pad, list):
@@ -235,7 +251,8 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
             row["hf_runs"] = hf_runs
             row["decode_ratio"] = row["specserve"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
             row["ttft_ratio_hf_over_specserve"] = row["hf"]["ttft_s"] / row["specserve"]["ttft_s"]
-            row["greedy_token_agreement"] = _token_agreement(ss_tokens, hf_tokens)
+            if llm.model_info.weights_dir is not None:  # random weights differ between the two
+                row["greedy_token_agreement"] = _token_agreement(ss_tokens, hf_tokens)
         results.append(row)
         _print_row(row)
 
@@ -248,7 +265,8 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
             "weights_dir": str(llm.model_info.weights_dir),
             "device": engine_config.device,
             "specserve_dtype": str(dtype).removeprefix("torch."),
-            "hf_dtype": "float32",
+            "hf_dtype": str(next(hf.parameters()).dtype).removeprefix("torch.") if hf is not None else None,
+            "hf_weights": "random (same shape)" if llm.model_info.weights_dir is None else "the same checkpoint",
             "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None) if hf is not None else None,
             "batch_sizes": list(args.batch_sizes),
             "prompt_len": prompt_len,
@@ -296,7 +314,7 @@ def _print_table(report: dict) -> None:
         s, h = r["specserve"], r.get("hf")
         print(f"{r['batch_size']:>5} | {s['decode_tok_s']:>15.1f} | "
               + (f"{h['decode_tok_s']:>9.1f} | {r['decode_ratio']:>5.2f}x | " if h else f"{'-':>9} | {'-':>6} | ")
-              + f"{s['ttft_s'] * 1e3:>10.0f} | " + (f"{h['ttft_s'] * 1e3:>10.0f} | {r['greedy_token_agreement']:>5.2f}" if h else f"{'-':>10} | {'-':>5}"))
+              + f"{s['ttft_s'] * 1e3:>10.0f} | " + (f"{h['ttft_s'] * 1e3:>10.0f} | {r.get('greedy_token_agreement', float('nan')):>5.2f}" if h else f"{'-':>10} | {'-':>5}"))
 
 
 def _plot(report: dict, path: Path) -> None:

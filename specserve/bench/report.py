@@ -3,9 +3,45 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PERCENTILES = (50, 90, 99)
+
+
+class BenchError(Exception):
+    """A failure worth one line to the user (bad URL, dead server), not a traceback."""
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    start: float = 0.0
+    ttft: float | None = None
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    spec_steps: int = 0  # speculative steps and drafts accepted in them, when the server reports them
+    spec_accepted: int = 0
+    acceptance_simulated: bool = False
+    error: str | None = None
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:
@@ -148,3 +184,7 @@ def compare_table(runs: list[tuple[str, list[dict]]]) -> str:
         ratios = ["–" if v is None or not values[0] else f"{v / values[0]:.2f}×" for v in values[1:]]
         lines.append(f"| {level} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
+
+
+def dumps(record: dict) -> str:
+    return json.dumps(record, default=str)

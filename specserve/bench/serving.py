@@ -8,49 +8,16 @@ several tokens (an accepted speculative run) is counted right.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import openai
 from tqdm import tqdm
 
 from specserve.bench.datasets import BenchPrompt
-
-
-class BenchError(Exception):
-    """A failure worth one line to the user (bad URL, dead server), not a traceback."""
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    start: float = 0.0
-    ttft: float | None = None
-    end: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    spec_steps: int = 0  # speculative steps and drafts accepted in them, when the server reports them
-    spec_accepted: int = 0
-    acceptance_simulated: bool = False
-    error: str | None = None
-
-    @property
-    def latency(self) -> float:
-        return self.end - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+from specserve.bench.report import BenchError, RequestResult
 
 
 @dataclass(frozen=True)
@@ -186,7 +153,3 @@ def metrics_snapshot(base_url: str) -> dict[str, float]:
             except ValueError:
                 pass
     return values
-
-
-def dumps(record: dict) -> str:
-    return json.dumps(record, default=str)

@@ -16,17 +16,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specserve.bench.datasets import BenchPrompt, load_prompts
-from specserve.bench.report import compare_table, markdown_table, plot, read_jsonl, run_label, summarize
-from specserve.bench.serving import (
+from specserve.bench.report import (
     BenchError,
-    LoadSettings,
     RequestResult,
+    compare_table,
     dumps,
-    make_client,
-    metrics_snapshot,
-    probe,
-    run_closed_loop,
-    run_poisson,
+    markdown_table,
+    plot,
+    read_jsonl,
+    run_label,
+    summarize,
 )
 
 DEFAULT_CONCURRENCY = [1, 2, 5, 10, 30, 70, 100, 250]
@@ -79,6 +78,8 @@ def _finish(records: list[dict], out: Path, title: str) -> None:
 # -- online -----------------------------------------------------------------
 
 def run_online(args: argparse.Namespace) -> list[dict]:
+    from specserve.bench.serving import LoadSettings, probe
+
     base = args.base_url.rstrip("/")
     model, info = probe(base, args.api_key)
     settings = LoadSettings(args.api, model, args.max_tokens, args.temperature, args.ignore_eos)
@@ -106,7 +107,9 @@ def run_online(args: argparse.Namespace) -> list[dict]:
     return records
 
 
-async def _online_level(base, args, settings: LoadSettings, prompts: list[BenchPrompt], kind: str, value: float):
+async def _online_level(base, args, settings, prompts: list[BenchPrompt], kind: str, value: float):
+    from specserve.bench.serving import LoadSettings, make_client, metrics_snapshot, run_closed_loop, run_poisson
+
     concurrency = int(value) if kind == "concurrency" else 64
     client = make_client(base, args.api_key, concurrency, settings.timeout_s)
     warm = LoadSettings(settings.api, settings.model, WARMUP_MAX_TOKENS, settings.temperature, settings.ignore_eos)

@@ -111,15 +111,29 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
     page_size = config.cache.page_size
     per_token = kv_bytes_per_token(model_cfg, dtype) + (_draft_bytes_per_token(draft, dtype) if draft else 0)
     num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device))
-    kv_cache = allocate_kv_cache(model_cfg, num_pages * page_size, dtype, device)
+    use_graphs = device.type == "cuda" and not config.disable_cuda_graph
+    if use_graphs:
+        from specserve.layers.pointwise import compile_pointwise
+
+        compile_pointwise()
+    # With CUDA graphs, one extra page no request owns takes the KV of padded batch rows.
+    kv_cache = allocate_kv_cache(model_cfg, (num_pages + use_graphs) * page_size, dtype, device)
     proposer, plan = None, None
     if draft is not None:
-        proposer = _build_proposer(config, draft, model, num_pages * page_size, dtype, device)
+        proposer = _build_proposer(config, draft, model, num_pages * page_size, kv_cache.shape[2], dtype, device)
         plan = _fixed_plan(config.spec.max_drafts)
     scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
                           config.spec.max_drafts)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed)
+    if use_graphs:
+        from specserve.engine.cuda_graphs import DecodeGraphs
+
+        # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
+        # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
+        max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
+        runner.graphs = DecodeGraphs(model, kv_cache, num_pages * page_size, max_bs, max_model_len, page_size,
+                                     progress, proposer)
     return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos))), resolved
 
 
@@ -135,7 +149,9 @@ def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, d
         if path is None and config.load_format != "dummy":
             raise ValueError("--speculative-draft-model-path is required for EAGLE3 (a random head needs "
                              "--load-format dummy)")
-        head = load_eagle3_head(path, target_cfg, dtype, device, max_model_len, config.random_seed)
+        # A random head drafts over 32k tokens, the draft vocabulary of public Llama-3 EAGLE-3 heads.
+        head = load_eagle3_head(path, target_cfg, dtype, device, max_model_len, config.random_seed,
+                                draft_vocab_size=None if path else min(32000, target_cfg.vocab_size))
         if head.config.target_hidden_size != target_cfg.hidden_size or head.d2t.max() + head.config.draft_vocab_size > target_cfg.vocab_size:
             raise ValueError("the EAGLE-3 head does not match the target: hidden size or vocabulary differ")
         return head
@@ -158,12 +174,13 @@ def _draft_bytes_per_token(draft: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def _build_proposer(config: EngineConfig, draft: torch.nn.Module, target: torch.nn.Module, num_slots: int,
-                    dtype, device) -> TreeProposer:
+                    target_slots: int, dtype, device) -> TreeProposer:
     spec = config.spec
     scratch = config.scheduler.max_running_requests * scratch_slots(spec.eagle_topk, spec.num_steps, spec.max_drafts)
     if _is_eagle3(draft):
         kv = allocate_kv_cache(draft.config.model, num_slots + scratch, dtype, device)
-        taps = torch.zeros(num_slots, draft.config.model.hidden_size, dtype=dtype, device=device)
+        # One row per target KV slot, the graphs' padding slot included.
+        taps = torch.zeros(target_slots, draft.config.model.hidden_size, dtype=dtype, device=device)
         drafter = Eagle3Drafter(draft, target.embed_tokens, kv, taps, device)
     else:
         drafter = DraftModelDrafter(draft, allocate_kv_cache(draft.config, num_slots + scratch, dtype, device), device)

@@ -26,6 +26,7 @@ class ModelRunner:
         self.simulate_accept_len = simulate_accept_len
         self._simulation_rng = random.Random(seed)
         self.timer = NoTimer()
+        self.graphs = None  # DecodeGraphs, on a GPU
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> list[list[int]]:
@@ -33,6 +34,13 @@ class ModelRunner:
         seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
+        if not trees and self._graph_fits(seqs):
+            with self.timer.phase("forward"):
+                logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
+                                         [s.page_ids for s in seqs])
+            with self.timer.phase("sample"):
+                return self._choose(seqs, trees, logits.float(), [(i, i, 1) for i in range(len(seqs))],
+                                    batch.page_size)
         with self.timer.phase("prepare"):
             input_ids, positions, meta, token_lists = self._prepare(batch, trees)
         with self.timer.phase("forward"):
@@ -53,6 +61,12 @@ class ModelRunner:
                 return []
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
             return self._choose(seqs, trees, logits, spans, batch.page_size)
+
+    def _graph_fits(self, seqs) -> bool:
+        """A plain decode step (one sampled token per sequence) that a captured graph covers."""
+        if self.graphs is None or not all(s.sample and len(s.token_ids) == 1 for s in seqs):
+            return False
+        return self.graphs.fits(len(seqs), max(s.start_pos for s in seqs) + 1)
 
     def _prepare(self, batch: StepBatch, trees: dict):
         # A speculating sequence computes its whole draft tree: one slot per node, in node order, each node

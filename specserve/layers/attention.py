@@ -20,6 +20,11 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # [B, 1, max_q, max_kv] True where a query may attend; None: attend to all
     query_rows: torch.Tensor | None  # [T] row in the padded [B * max_q] query layout; None if T == B, max_q == 1
     max_q: int
+    # Set for the Triton decode kernel (one query per sequence, GPU): page tables and context lengths.
+    block_tables: torch.Tensor | None = None  # [B, pages] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32
+    page_size: int = 0
+    num_splits: int = 1
 
     @classmethod
     def build(
@@ -106,6 +111,12 @@ def paged_attention(
 ) -> torch.Tensor:
     kv_cache[0].index_copy_(0, meta.slot_mapping, k)
     kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    if meta.block_tables is not None:
+        from specserve.layers.triton_attention import paged_decode_attention
+
+        out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.page_size,
+                                     meta.num_splits)
+        return out.view(q.shape[0], -1)
     batch = meta.kv_slots.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     if meta.query_rows is None:

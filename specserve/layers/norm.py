@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.layers import pointwise
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -10,7 +12,4 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return pointwise.rms_norm(x, self.weight, self.eps)

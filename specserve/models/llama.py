@@ -5,10 +5,10 @@ Only the math lives here. Attention metadata and the KV pool come in as argument
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.layers import pointwise
 from specserve.layers.attention import AttentionMetadata, paged_attention
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
@@ -63,8 +63,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(pointwise.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,69 @@
+"""Is speculation that is switched off free? On one GPU, Llama-3.1-8B shape with random bf16 weights:
+plain decode vs the same engine with an EAGLE-3 head configured but a plan of 0 drafts (graphs replay and
+the head's taps are stored), vs drafting a 3-token chain every step with acceptance simulated at tau = 3.
+
+    python benchmarks/spec_off_tax.py --out benchmarks/results/spec_off_tax_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+from specserve.bench.decode import hardware_info, make_prompts
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specserve.engine.factory import build_engine_core
+from specserve.sampling_params import SamplingParams
+
+BASE = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+                    context_length=2048, cache=CacheConfig(max_total_tokens=300_000),
+                    scheduler=SchedulerConfig(chunked_prefill_size=40_000))
+SETUPS = {
+    "plain": (SpecConfig(), None),
+    "EAGLE-3 configured, 0 drafts": (SpecConfig("EAGLE3", None, 3), 0),
+    "EAGLE-3 chain 3, simulated tau 3": (SpecConfig("EAGLE3", None, 3, simulate_accept_len=3.0), None),
+}
+
+
+def decode_tok_s(engine, batch: int, prompt_len: int, output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(batch, prompt_len, 128256, batch)):
+        engine.add_request(f"{batch}-{i}-{time.perf_counter()}", prompt, params)
+    counts, counted, first = 0, 0, None
+    while engine.has_work():
+        counts += sum(len(d.new_token_ids) for d in engine.step())
+        if first is None and counts:
+            first, counted = time.perf_counter(), counts
+    return (counts - counted) / (time.perf_counter() - first)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    rows = []
+    for name, (spec, plan) in SETUPS.items():
+        engine, _ = build_engine_core(replace(BASE, spec=spec), progress=False)
+        if plan is not None:
+            engine.scheduler.draft_plan = lambda request: plan
+        for batch in args.batch_sizes:
+            decode_tok_s(engine, batch, args.prompt_len, 8)  # warm-up
+            rows.append({"setup": name, "batch_size": batch,
+                         "decode_tok_s": decode_tok_s(engine, batch, args.prompt_len, args.output_len)})
+            print(rows[-1], flush=True)
+        del engine
+    plain = {r["batch_size"]: r["decode_tok_s"] for r in rows if r["setup"] == "plain"}
+    for r in rows:
+        r["ratio_to_plain"] = r["decode_tok_s"] / plain[r["batch_size"]]
+    report = {"benchmark": "spec_off_tax", "hardware": hardware_info(), "simulated": "the chain row's acceptance",
+              "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16"}, "results": rows}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

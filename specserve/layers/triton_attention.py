@@ -1,0 +1,113 @@
+"""Paged decode attention in Triton: one query token per sequence, reading K/V straight from the paged pool.
+
+The reference path gathers every sequence's context into a padded batch and runs SDPA, which moves the
+context through memory several times (and, with grouped-query attention, expands K/V per query head). Here
+each program owns one sequence, one KV head (all the query heads that share it, so K/V is read once) and
+one slice of the context (flash-decoding: slices run in parallel so a single long sequence still fills the
+GPU). Each slice keeps a running max and sum (online softmax); a second kernel merges the slices by their
+log-sum-exp. Everything is shaped by tensors, not host values, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32  # context tokens per inner iteration
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
+                    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
+                    stride_lb, stride_lh, CHUNK,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(LENS + b)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, seq_len)
+    for off in range(start, end, BLOCK):
+        t = off + tl.arange(0, BLOCK)
+        valid = t < end
+        page = tl.load(TABLES + b * stride_tb + t // PAGE, mask=valid, other=0)
+        slot = (page * PAGE + t % PAGE).to(tl.int64)
+        kv_offs = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(K + kv_offs, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_offs, mask=valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has = l > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+             mask=head_ok[:, None])
+    tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                  SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=s < SPLITS, other=float("-inf"))
+    weights = tl.exp(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    part = tl.load(PART + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                   mask=(s < SPLITS)[:, None], other=0.0)
+    out = tl.sum(part * weights[:, None], 0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+
+
+def num_splits(max_context: int) -> int:
+    """Context slices per sequence: enough programs for one long sequence to fill the GPU."""
+    return max(1, min(16, max_context // 256))
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, page_size: int, splits: int) -> torch.Tensor:
+    """q [B, H, D]; kv_cache [2, slots, Hkv, D]; block_tables [B, pages] int32; seq_lens [B] int32 -> [B, H, D]."""
+    batch, heads, dim = q.shape
+    kv_heads = kv_cache.shape[2]
+    group = heads // kv_heads
+    max_tokens = block_tables.shape[1] * page_size
+    chunk = triton.cdiv(triton.cdiv(max_tokens, splits), BLOCK_N) * BLOCK_N
+    part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    keys, values = kv_cache[0], kv_cache[1]
+    _partial_kernel[(batch, kv_heads, splits)](
+        q, keys, values, block_tables, seq_lens, part, lse, scale,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        chunk, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
+        BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32,
+    )
+    out = torch.empty_like(q)
+    _merge_kernel[(batch, heads)](
+        part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=dim,
+    )
+    return out
