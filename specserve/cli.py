@@ -58,6 +58,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", "--model-path", dest="model_path", default=None,
+                   help="the target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+
+
+def _target_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model_path=args.model_path, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
+                        cache=CacheConfig(max_total_tokens=args.max_total_tokens))
+
+
 def _numbers(kind):
     return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
@@ -109,6 +123,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
 
+    train = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target by self-distillation")
+    _add_target_args(train)
+    train.add_argument("--out", required=True, help="directory for the head, its data and checkpoints")
+    train.add_argument("--data", default="sharegpt", help="sharegpt | mt-bench | a JSONL of prompts or conversations")
+    train.add_argument("--num-prompts", type=int, default=4000)
+    train.add_argument("--max-tokens", type=int, default=512, help="answer length when regenerating")
+    train.add_argument("--temperature", type=float, default=0.0)
+    train.add_argument("--draft-vocab-size", type=int, default=16384)
+    train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--max-len", type=int, default=1024)
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--warmup-steps", type=int, default=50)
+    train.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth")
+    train.add_argument("--checkpoint-every", type=int, default=200)
+    train.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    train.add_argument("--seed", type=int, default=0)
+
+    evaluate = sub.add_parser("eval-draft", help="acceptance length and tok/s of an EAGLE-3 head, greedy")
+    _add_target_args(evaluate)
+    evaluate.add_argument("--draft", required=True, help="EAGLE-3 head directory")
+    evaluate.add_argument("--data", default="mt-bench", help="mt-bench (both turns) or a JSONL of prompts")
+    evaluate.add_argument("--num-questions", type=int, default=None)
+    evaluate.add_argument("--max-tokens", type=int, default=256)
+    evaluate.add_argument("--chain-steps", type=int, default=5)
+    evaluate.add_argument("--tree", type=int, nargs=3, default=[4, 5, 16], metavar=("TOPK", "STEPS", "TOKENS"))
+    evaluate.add_argument("--out", default=None, help="write the results JSON here")
+
     bench = sub.add_parser("bench", help="benchmarks: serving sweeps (online, offline, compare), decode, spec")
     add_sweep_args(bench)
     add_engine_args(bench)
@@ -152,6 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         run_spec_bench(engine_config(args), args)
     elif args.command == "bench":
         return _sweep(args)
+    elif args.command == "train-draft":
+        from specserve.train.run import run_train_draft
+
+        run_train_draft(_target_config(args), args)
+    elif args.command == "eval-draft":
+        from specserve.train.run import run_eval_draft
+
+        run_eval_draft(_target_config(args), args)
     return 0
 
 

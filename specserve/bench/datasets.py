@@ -40,7 +40,7 @@ def load_prompts(dataset: str, num: int, *, seed: int = 0, input_len: int = 512,
         path = Path(dataset).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"dataset {dataset!r} is not sharegpt, mt-bench, random or a JSONL file")
-        pool = list(_jsonl_prompts(path))
+        pool = list(read_jsonl_prompts(path))
     if not pool:
         raise ValueError(f"dataset {dataset!r} has no usable prompts")
     random.Random(seed).shuffle(pool)
@@ -97,7 +97,7 @@ def _first_turns(records: Iterator[dict]) -> Iterator[BenchPrompt]:
                                   output_len=max(1, len(answer) // 4))
 
 
-def _jsonl_prompts(path: Path) -> Iterator[BenchPrompt]:
+def read_jsonl_prompts(path: Path) -> Iterator[BenchPrompt]:
     """Lines with "prompt" (text), "messages" (chat), "conversations" (ShareGPT style) or "turns" (MT-Bench)."""
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():

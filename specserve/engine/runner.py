@@ -27,6 +27,8 @@ class ModelRunner:
         self._simulation_rng = random.Random(seed)
         self.timer = NoTimer()
         self.graphs = None  # DecodeGraphs, on a GPU
+        # Training-data capture (specserve.train.datagen): sees every computed token's taps and hidden state.
+        self.recorder = None
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> list[list[int]]:
@@ -34,7 +36,7 @@ class ModelRunner:
         seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
-        if not trees and self._graph_fits(seqs):
+        if not trees and self.recorder is None and self._graph_fits(seqs):
             with self.timer.phase("forward"):
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
                                          [s.page_ids for s in seqs])
@@ -45,9 +47,13 @@ class ModelRunner:
             input_ids, positions, meta, token_lists = self._prepare(batch, trees)
         with self.timer.phase("forward"):
             capture = self.proposer.capture_layers if self.proposer is not None else ()
+            if self.recorder is not None:
+                capture = self.recorder.capture_layers
             hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
             if self.proposer is not None:
                 self.proposer.observe(captured, meta.slot_mapping)
+            if self.recorder is not None:
+                self.recorder.record(seqs, captured, hidden)
         with self.timer.phase("sample"):
             ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
             # Logit rows: the last row of a plain sequence; every tree node of a speculating one.

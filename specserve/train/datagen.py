@@ -1,0 +1,123 @@
+"""Self-distillation data: the target regenerates answers through specserve's own engine, and the same
+forward passes record what the head learns from, so there is no second target pass:
+
+- the outputs of the tapped target layers at every position (the head's `fc` input),
+- the final normed hidden state at every position (the target's next-token logits are lm_head of it),
+- a mask of the positions whose next token is an answer token.
+
+Samples are written to safetensors shards, one tensor per field and sample.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Sample:
+    input_ids: torch.Tensor  # [N] prompt then answer
+    taps: torch.Tensor  # [N, len(layers) * H]; the last position is never computed and stays zero
+    hidden: torch.Tensor  # [N, H] final normed hidden state
+    loss_mask: torch.Tensor  # [N] 1 where the next token belongs to the answer
+
+    @property
+    def answer_ids(self) -> torch.Tensor:
+        return self.input_ids[1:][self.loss_mask[:-1].bool()]
+
+
+class TapRecorder:
+    """Hooked into the runner: keeps every computed token's taps and hidden state, by request and position."""
+
+    def __init__(self, capture_layers: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> None:
+        self.capture_layers = tuple(capture_layers)
+        self.dtype = dtype
+        self.chunks: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def record(self, seqs, captured: list[torch.Tensor], hidden: torch.Tensor) -> None:
+        taps = torch.cat(captured, dim=-1).to("cpu", self.dtype)
+        hidden = hidden.to("cpu", self.dtype)
+        offset = 0
+        for seq in seqs:
+            n = len(seq.token_ids)
+            # A chunk recomputed after preemption replaces the first one (same values, same positions).
+            self.chunks.setdefault(seq.request_id, {})[seq.start_pos] = (taps[offset:offset + n],
+                                                                         hidden[offset:offset + n])
+            offset += n
+
+    def take(self, request_id: str, token_ids: list[int], prompt_len: int) -> Sample:
+        chunks = self.chunks.pop(request_id)
+        n = len(token_ids)
+        first_taps, first_hidden = next(iter(chunks.values()))
+        taps = first_taps.new_zeros(n, first_taps.shape[1])
+        hidden = first_hidden.new_zeros(n, first_hidden.shape[1])
+        for start, (t, h) in chunks.items():
+            end = min(start + len(t), n)
+            taps[start:end], hidden[start:end] = t[: end - start], h[: end - start]
+        mask = torch.zeros(n, dtype=torch.uint8)
+        mask[prompt_len - 1:n - 1] = 1
+        return Sample(torch.tensor(token_ids), taps, hidden, mask)
+
+
+def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], params: SamplingParams,
+             out_dir: Path, shard_size: int = 256, progress: bool = True) -> list[Path]:
+    """Runs every prompt through the engine (up to `shard_size` at a time) and writes one shard per batch."""
+    runner = llm.engine.runner
+    if runner.proposer is not None:
+        raise ValueError("generate training data with speculation off")
+    recorder = TapRecorder(capture_layers)
+    runner.recorder = recorder
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    bar = tqdm(total=len(prompts), desc="generating answers", unit="prompt", disable=not progress)
+    try:
+        for first in range(0, len(prompts), shard_size):
+            trackers = [llm.add(p, params) for p in prompts[first:first + shard_size]]
+            while llm.engine.has_work():
+                llm.step_and_track(trackers)
+            samples = [recorder.take(t.output.request_id, t.output.prompt_token_ids + t.output.token_ids,
+                                     len(t.output.prompt_token_ids)) for t in trackers]
+            shards.append(write_shard(samples, out_dir / f"shard-{len(shards):05d}.safetensors"))
+            bar.update(len(trackers))
+    finally:
+        runner.recorder = None
+        bar.close()
+    return shards
+
+
+def write_shard(samples: list[Sample], path: Path) -> Path:
+    tensors = {}
+    for i, s in enumerate(samples):
+        tensors.update({f"{i}.input_ids": s.input_ids, f"{i}.taps": s.taps.contiguous(),
+                        f"{i}.hidden": s.hidden.contiguous(), f"{i}.loss_mask": s.loss_mask})
+    save_file(tensors, str(path))
+    return path
+
+
+def read_shards(paths: list[Path]) -> list[Sample]:
+    samples = []
+    for path in paths:
+        tensors = load_file(str(path))
+        count = len({k.split(".")[0] for k in tensors})
+        samples += [Sample(tensors[f"{i}.input_ids"], tensors[f"{i}.taps"], tensors[f"{i}.hidden"],
+                           tensors[f"{i}.loss_mask"]) for i in range(count)]
+    return samples
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens, sorted by id: the ids the head may draft. If the answers
+    use fewer distinct tokens, the rest is filled with the lowest unused ids so the shape is as asked."""
+    counts = Counter()
+    for s in samples:
+        counts.update(s.answer_ids.tolist())
+    chosen = [token for token, _ in counts.most_common(size)]
+    if len(chosen) < size:
+        used = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
+    return torch.tensor(sorted(chosen))

@@ -1,0 +1,110 @@
+"""`specserve train-draft` and `specserve eval-draft`: the orchestration around datagen, trainer and the engine."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specserve.bench.datasets import load_prompts, mt_bench_questions, read_jsonl_prompts
+from specserve.config import EngineConfig, SpecConfig
+from specserve.models.eagle3 import default_target_layers
+from specserve.models.loader import save_eagle3_head
+from specserve.sampling_params import SamplingParams
+from specserve.train.datagen import draft_vocabulary, generate, read_shards
+from specserve.train.trainer import TrainConfig, Trainer, new_head
+
+
+def _chat_ids(llm, messages: list[dict]) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
+    from specserve.llm import LLM
+
+    out = Path(args.out)
+    started = time.time()
+    # The recorder reads every step's tensors in eager mode; speculation stays off while generating.
+    llm = LLM(config=replace(engine_config, spec=SpecConfig(), disable_cuda_graph=True), progress=True)
+    model = llm.engine.runner.model
+    taps = default_target_layers(model.config.num_layers)
+    data_dir = out / "data"
+    shards = sorted(data_dir.glob("shard-*.safetensors"))
+    if not shards:  # generated once; a resumed run reuses it
+        prompts = [_chat_ids(llm, p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        shards = generate(llm, prompts, taps, params, data_dir)
+    samples = read_shards(shards)
+    generated_at = time.time()
+    vocab = model.config.vocab_size
+    draft_ids = draft_vocabulary(samples, min(args.draft_vocab_size, vocab), vocab)
+    head = new_head(model, draft_ids, llm.engine.max_model_len, args.seed)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
+                      warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, seed=args.seed,
+                      checkpoint_every=args.checkpoint_every)
+    trainer = Trainer(head, model, samples, cfg, out)
+    resumed = trainer.resume()
+    history = trainer.train()
+    shipped = head.to(torch.bfloat16) if args.save_dtype == "bfloat16" else head
+    save_eagle3_head(shipped, out)
+    report = {
+        "command": "specserve train-draft", "target": engine_config.model_path or "SmolLM2-135M-Instruct",
+        "data": args.data, "num_samples": len(samples),
+        "num_answer_tokens": int(sum(s.loss_mask.sum() for s in samples)),
+        "draft_vocab_size": len(draft_ids), "train_config": vars(args) | {"resumed": resumed},
+        "generation_s": generated_at - started, "training_s": time.time() - generated_at,
+        "final_loss": history[-1]["loss"] if history else None,
+        "final_accuracy": history[-1]["accuracy"] if history else None, "history": history[-50:],
+    }
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    print(f"saved the head to {out}; {len(samples)} samples, final loss {report['final_loss']}")
+    return report
+
+
+def _conversations(data: str, num: int | None) -> list[list[str]]:
+    """User turns per conversation: MT-Bench's two turns, or one prompt per JSONL line."""
+    if data == "mt-bench":
+        turns = [q["turns"] for q in mt_bench_questions()]
+    else:
+        turns = [[p.text] for p in read_jsonl_prompts(Path(data))]
+    return turns[:num] if num else turns
+
+
+def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
+    """Mean acceptance length and decode tok/s against no speculation, greedy, for a chain and a tree."""
+    from specserve.llm import LLM
+
+    conversations = _conversations(args.data, args.num_questions)
+    settings = [("no speculation", SpecConfig()),
+                (f"chain {args.chain_steps}", SpecConfig("EAGLE3", args.draft, args.chain_steps)),
+                (f"tree topk {args.tree[0]} steps {args.tree[1]} tokens {args.tree[2]}",
+                 SpecConfig("EAGLE3", args.draft, args.tree[1], args.tree[0], args.tree[2]))]
+    rows = []
+    for label, spec in settings:
+        llm = LLM(config=replace(engine_config, spec=spec))
+        tokens, seconds, steps, accepted = 0, 0.0, 0, 0
+        for turns in conversations:
+            messages = []
+            for turn in turns:
+                messages.append({"role": "user", "content": turn})
+                ids = _chat_ids(llm, messages)
+                t0 = time.perf_counter()
+                out = llm.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))[0]
+                seconds += time.perf_counter() - t0
+                tokens += len(out.token_ids)
+                steps, accepted = steps + out.num_spec_steps, accepted + out.num_accepted_tokens
+                messages.append({"role": "assistant", "content": out.text})
+        rows.append({"setting": label, "tok_s": tokens / seconds, "output_tokens": tokens,
+                     "mean_acceptance_length": (accepted + steps) / steps if steps else None})
+        print(rows[-1], flush=True)
+    for row in rows:
+        row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
+    report = {"command": "specserve eval-draft", "draft": args.draft, "data": args.data,
+              "num_conversations": len(conversations), "max_tokens": args.max_tokens, "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return report

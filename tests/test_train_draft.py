@@ -1,0 +1,164 @@
+"""Training EAGLE-3 heads: the training-time test computes what inference computes, vocabulary maps
+round-trip, a resumed run continues the same schedule, and a tiny end-to-end run learns and drafts."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specserve.config import ModelConfig
+from specserve.layers.attention import AttentionMetadata
+from specserve.models.eagle3 import Eagle3Config, Eagle3Head
+from specserve.train.datagen import Sample, draft_vocabulary
+from specserve.train.ttt import TTTBatch, unrolled_loss
+
+H, VOCAB, T = 64, 300, 12
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=H, intermediate_size=96,
+                  num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def _head(seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config(CFG, VOCAB, H, (1, 3, 4)), 256)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.2)
+    return head.eval()
+
+
+def test_training_time_test_computes_what_drafting_computes():
+    """Step 0 equals a catch-up pass over the sequence; steps 1 and 2 of chain t equal feeding the chain's
+    nodes one by one on top of the catch-up KV (as TreeProposer does), with the head's own states."""
+    head, embed = _head(), torch.nn.Embedding(VOCAB, H)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(VOCAB, (1, T), generator=g)
+    taps = torch.randn(1, T, 3 * H, generator=g)
+    batch = TTTBatch(ids, taps, torch.randn(1, T, VOCAB, generator=g), torch.ones(1, T))
+    with torch.no_grad():
+        ttt = unrolled_loss(head, embed, batch, 3, keep_logits=True).logits
+        kv = torch.zeros(1, 2, 64, CFG.num_kv_heads, CFG.head_dim)
+        n = T - 1  # catch-up: position j pairs the taps of j with token j+1
+        meta = AttentionMetadata.build([n], [0], [[0]], 64, torch.device("cpu"))
+        states = head(embed(ids[0, 1:]), head.fc(taps[0, :n]), torch.arange(n), meta, kv)
+        torch.testing.assert_close(head.compute_logits(states), ttt[0][0, :n], rtol=1e-4, atol=1e-4)
+        for t in (0, 3, T - 4):
+            state, chain_slots = states[t:t + 1], []
+            for step in (1, 2):
+                slot = 40 + step  # scratch slots after the context
+                chain_slots.append(slot)
+                context = torch.tensor(list(range(t + 1)) + chain_slots)
+                meta = AttentionMetadata.from_slots([context], [torch.ones(1, len(context), dtype=torch.bool)],
+                                                    torch.device("cpu"))
+                state = head(embed(ids[0, t + 1 + step:t + 2 + step]), state, torch.tensor([t + step]), meta, kv)
+                torch.testing.assert_close(head.compute_logits(state)[0], ttt[step][0, t], rtol=1e-4, atol=1e-4)
+
+
+def test_unrolled_loss_shapes_and_masking():
+    head, embed = _head(), torch.nn.Embedding(VOCAB, H)
+    batch = TTTBatch(torch.randint(VOCAB, (2, T)), torch.randn(2, T, 3 * H), torch.randn(2, T, VOCAB),
+                     torch.ones(2, T))
+    result = unrolled_loss(head, embed, batch, 7, keep_logits=True)
+    assert len(result.kl) == len(result.accuracy) == len(result.logits) == 7
+    assert all(lg.shape == (2, T, VOCAB) for lg in result.logits)
+    assert result.loss.ndim == 0 and result.loss.item() > 0
+    result.loss.backward()
+    assert head.fc.weight.grad is not None and head.midlayer.mlp.down_proj.weight.grad.abs().sum() > 0
+    nothing = replace(batch, loss_mask=torch.zeros(2, T))
+    assert unrolled_loss(head, embed, nothing, 7).loss.item() == 0.0
+
+
+def test_draft_vocabulary_and_maps_round_trip(tmp_path):
+    from specserve.models.loader import load_eagle3_head, save_eagle3_head
+    from specserve.models.eagle3 import vocab_maps
+
+    answers = [5] * 9 + [7] * 5 + [250] * 7 + [3] * 2
+    ids = torch.tensor([1, 2] + answers)
+    mask = torch.tensor([0] + [1] * (len(ids) - 2) + [0])
+    sample = Sample(ids, torch.zeros(len(ids), 3 * H), torch.zeros(len(ids), H), mask)
+    chosen = draft_vocabulary([sample], 3, VOCAB)
+    assert chosen.tolist() == [5, 7, 250]  # the three most frequent answer tokens, sorted
+    assert Counter(sample.answer_ids.tolist())[5] == 9
+    head = _head()
+    head = Eagle3Head(Eagle3Config(CFG, 3, H, (1, 3, 4)), 256)
+    d2t, t2d = vocab_maps(chosen, VOCAB)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    assert head.to_target_ids(torch.arange(3)).tolist() == [5, 7, 250]
+    save_eagle3_head(head, tmp_path)
+    loaded = load_eagle3_head(tmp_path, CFG, torch.float32, torch.device("cpu"), 256)
+    assert loaded.to_target_ids(torch.arange(3)).tolist() == [5, 7, 250]
+    assert loaded.t2d.nonzero().squeeze(1).tolist() == [5, 7, 250]
+
+
+def _fake_samples(count: int, seed: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        n = int(torch.randint(6, 14, (1,), generator=g))
+        out.append(Sample(torch.randint(VOCAB, (n,), generator=g), torch.randn(n, 3 * H, generator=g),
+                          torch.randn(n, H, generator=g), torch.ones(n, dtype=torch.uint8)))
+    return out
+
+
+class _Target(torch.nn.Module):
+    """What the trainer reads from a target: config, embedding, lm_head and final norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = CFG
+        self.embed_tokens = torch.nn.Embedding(VOCAB, H)
+        self.lm_head = torch.nn.Linear(H, VOCAB, bias=False)
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.ones(H))
+
+
+def test_resuming_continues_the_same_schedule(tmp_path):
+    from specserve.train.trainer import TrainConfig, Trainer, new_head
+
+    torch.manual_seed(0)
+    target, samples = _Target().requires_grad_(False), _fake_samples(10, 0)
+    cfg = TrainConfig(steps=6, batch_size=3, lr=1e-3, warmup_steps=2, ttt_steps=3, checkpoint_every=3)
+    straight = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path / "a")
+    straight.train(progress=False)
+    first = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, replace(cfg, steps=3),
+                    tmp_path / "b")
+    first.train(progress=False)
+    second = Trainer(new_head(target, torch.arange(40), 256, 1), target, samples, cfg, tmp_path / "b")
+    assert second.resume() and second.step == 3
+    second.train(progress=False)
+    assert [h["lr"] for h in second.history] == [h["lr"] for h in straight.history]
+    assert [h["loss"] for h in second.history] == pytest.approx([h["loss"] for h in straight.history], rel=1e-5)
+    for (name, a), b in zip(straight.head.state_dict().items(), second.head.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about the number {i}."}) for i in range(12)))
+    out = tmp_path / "head"
+    cmd = [sys.executable, "-m", "specserve.cli", "train-draft", "--target", str(tiny_chat_model), "--device", "cpu",
+           "--max-total-tokens", "4096", "--data", str(prompts), "--num-prompts", "12", "--max-tokens", "24",
+           "--steps", "60", "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "5", "--draft-vocab-size", "512",
+           "--ttt-steps", "3", "--checkpoint-every", "30", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "train_report.json").read_text())
+    losses = [h["loss"] for h in report["history"]]
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10, losses
+    assert (out / "checkpoint.pt").exists() and (out / "model.safetensors").exists()
+
+    from specserve.config import SpecConfig
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = [[5, 6, 7, 8, 9]]
+    plain = LLM(model=str(tiny_chat_model), max_total_tokens=4096).generate(prompt, params)[0]
+    spec = LLM(model=str(tiny_chat_model), max_total_tokens=4096,
+               spec=SpecConfig("EAGLE3", str(out), 3)).generate(prompt, params)[0]
+    assert spec.token_ids == plain.token_ids and spec.num_spec_steps > 0
