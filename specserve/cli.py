@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth")
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    train.add_argument("--max-shard-mib", type=int, default=16, help="split the saved head into shards this large")
     train.add_argument("--seed", type=int, default=0)
 
     evaluate = sub.add_parser("eval-draft", help="acceptance length and tok/s of an EAGLE-3 head, greedy")

@@ -92,3 +92,14 @@ def test_random_head_uses_default_taps_and_the_full_vocabulary():
     assert head.config.target_layers == default_target_layers(LAYERS) == (1, 3, 4)
     assert head.config.draft_vocab_size == VOCAB
     assert torch.equal(head.to_target_ids(torch.arange(VOCAB)), torch.arange(VOCAB))
+
+
+def test_a_head_saved_in_shards_loads_the_same(tmp_path):
+    original = load_eagle3_head(None, TARGET, torch.float32, torch.device("cpu"), 512, seed=4)
+    save_eagle3_head(original, tmp_path, max_shard_bytes=40_000)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    assert all((tmp_path / s).stat().st_size <= 40_000 + 70_000 for s in shards)  # one big tensor may exceed
+    loaded = load_eagle3_head(tmp_path, TARGET, torch.float32, torch.device("cpu"), 512)
+    for (name, a), b in zip(original.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -176,10 +176,10 @@ def load_eagle3_head(
     return head
 
 
-def save_eagle3_head(head: torch.nn.Module, out_dir: Path) -> None:
-    """Writes the public tensor names (unfused q/k/v and gate/up) and config that SGLang and vLLM load."""
-    from safetensors.torch import save_file
-
+def save_eagle3_head(head: torch.nn.Module, out_dir: Path, max_shard_bytes: int | None = None) -> None:
+    """Writes the public tensor names (unfused q/k/v and gate/up) and config that SGLang and vLLM load; split
+    into shards of at most `max_shard_bytes` with a `model.safetensors.index.json` when it is given and the
+    head is larger (a tensor larger than a shard gets one to itself)."""
     cfg = head.config.model
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     tensors = {}
@@ -195,8 +195,33 @@ def save_eagle3_head(head: torch.nn.Module, out_dir: Path) -> None:
         else:
             tensors[name] = tensor
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    _write_safetensors({k: v.contiguous().cpu() for k, v in tensors.items()}, out_dir, max_shard_bytes)
     (out_dir / "config.json").write_text(json.dumps(head.config.to_hf_config(), indent=2))
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None) -> None:
+    from safetensors.torch import save_file
+
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, str(out_dir / "model.safetensors"))
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / file))
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _target_as_hf(cfg: ModelConfig) -> dict:

@@ -50,7 +50,7 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     resumed = trainer.resume()
     history = trainer.train()
     shipped = head.to(torch.bfloat16) if args.save_dtype == "bfloat16" else head
-    save_eagle3_head(shipped, out)
+    save_eagle3_head(shipped, out, max_shard_bytes=args.max_shard_mib * 2**20)
     report = {
         "command": "specserve train-draft", "target": engine_config.model_path or "SmolLM2-135M-Instruct",
         "data": args.data, "num_samples": len(samples),
