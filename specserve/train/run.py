@@ -36,6 +36,10 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     shards = sorted(data_dir.glob("shard-*.safetensors"))
     if not shards:  # generated once; a resumed run reuses it
         prompts = [_chat_ids(llm, p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
+        # Training sees max_len tokens of a sample, so a prompt that leaves no room for its answer is useless.
+        prompts = [p for p in prompts if len(p) + args.max_tokens <= args.max_len]
+        if not prompts:
+            raise ValueError(f"every prompt is longer than --max-len {args.max_len} minus --max-tokens")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         shards = generate(llm, prompts, taps, params, data_dir)
     samples = read_shards(shards)
