@@ -1,5 +1,13 @@
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -89,3 +97,48 @@ def tiny_chat_model(tmp_path_factory, smollm2_dir):
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, path / name)
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(*serve_args: str):
+    """`specserve serve` in its own process group on a free port; yields its base URL once /health is 200."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), *serve_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None
+        time.sleep(0.1)
+    try:
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def write_peaked_random_head(target_dir, out_dir, scale: float = 15.0, seed: int = 3):
+    """A random EAGLE-3 head for `target_dir` whose weights are scaled up, so its logits are far apart and
+    its top-k never hinges on rounding."""
+    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+
+    head = load_eagle3_head(None, read_model_config(target_dir), torch.float32, torch.device("cpu"), 512, seed=seed)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(scale)
+    save_eagle3_head(head, out_dir)
+    return out_dir

@@ -3,17 +3,13 @@ simulated acceptance."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
-from test_server import _free_port
+from conftest import free_port, live_server
 
 INPUT_LEN, MAX_TOKENS, PROMPTS, TAU = 24, 20, 8, 2.5
 
@@ -41,24 +37,10 @@ def simulated_server(tiny_chat_model, tmp_path_factory):
     head_dir = tmp_path_factory.mktemp("head")
     save_eagle3_head(load_eagle3_head(None, read_model_config(tiny_chat_model), torch.float32, torch.device("cpu"),
                                       1024, draft_vocab_size=4096), head_dir)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(tiny_chat_model), "--port", str(port),
-           "--max-total-tokens", "8192", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
-           str(head_dir), "--speculative-num-steps", "3", "--speculative-simulate-accept-len", str(TAU)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None
-        time.sleep(0.1)
-    yield base
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    with live_server("--model", str(tiny_chat_model), "--max-total-tokens", "8192", "--speculative-algorithm",
+                     "EAGLE3", "--speculative-draft-model-path", str(head_dir), "--speculative-num-steps", "3",
+                     "--speculative-simulate-accept-len", str(TAU)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +90,7 @@ def test_compare_overlays_two_saved_runs(sweep, tmp_path):
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:{port}", "not-a-url"])
 def test_a_dead_server_or_bad_url_is_one_clear_line(url):
-    done = _bench("--base-url", url.format(port=_free_port()), "--concurrency", "1", "--dataset", "random")
+    done = _bench("--base-url", url.format(port=free_port()), "--concurrency", "1", "--dataset", "random")
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()

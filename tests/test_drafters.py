@@ -16,6 +16,7 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.layers.attention import AttentionMetadata
 
+from conftest import write_peaked_random_head
 from test_greedy_vs_hf import _prompts, _tight_config, run_staggered
 
 TOPK = 4
@@ -74,17 +75,7 @@ def test_draft_model_trees_follow_the_draft_model(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def peaked_random_head(tiny_checkpoint, tmp_path_factory):
     """A random EAGLE-3 head whose logits are far apart, so top-k never hinges on rounding."""
-    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
-
-    target = tiny_checkpoint("llama", True)
-    head = load_eagle3_head(None, read_model_config(target), torch.float32, torch.device("cpu"), 512, seed=3)
-    with torch.no_grad():
-        for name, param in head.named_parameters():
-            if not name.endswith("norm.weight"):
-                param.mul_(15.0)
-    path = tmp_path_factory.mktemp("eagle3-peaked")
-    save_eagle3_head(head, path)
-    return path
+    return write_peaked_random_head(tiny_checkpoint("llama", True), tmp_path_factory.mktemp("eagle3-peaked"))
 
 
 def _fresh_cache(n: int, num_layers: int, cfg):

@@ -11,6 +11,7 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
+from conftest import write_peaked_random_head
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -105,15 +106,8 @@ def test_triton_decode_attention_matches_the_reference(dtype):
 def test_eagle3_taps_stored_by_graphed_steps_draft_like_eager_ones(tiny_checkpoint, tmp_path):
     """Steps that draft nothing replay graphs, which also store the EAGLE-3 head's taps; the drafts made
     from them later equal those of a run with graphs off (a peaked random head, fp32)."""
-    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
-
     path = tiny_checkpoint("llama", True)
-    head = load_eagle3_head(None, read_model_config(path), torch.float32, torch.device("cpu"), 512, seed=3)
-    with torch.no_grad():
-        for name, param in head.named_parameters():
-            if not name.endswith("norm.weight"):
-                param.mul_(15.0)
-    save_eagle3_head(head, tmp_path)
+    write_peaked_random_head(path, tmp_path)
     prompts = _prompts(512, seed=8)
     runs = []
     for disable in (False, True):

@@ -5,7 +5,6 @@ import concurrent.futures
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,21 +13,17 @@ import httpx
 import openai
 import pytest
 
+from conftest import free_port
+
 API_KEY = "test-key"
 MODEL = "tiny"
 CONTEXT = 1024
 MAX_RUNNING, MAX_QUEUED = 4, 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "specserve.cli", "serve", "--model", str(tiny_chat_model), "--port", str(port),
         "--api-key", API_KEY, "--served-model-name", MODEL, "--max-running-requests", str(MAX_RUNNING),

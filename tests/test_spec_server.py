@@ -1,39 +1,20 @@
 """Speculation through the HTTP API: usage extension fields and Prometheus series."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 
-import httpx
 import openai
 import pytest
 
-from test_server import _free_port, _metric
+from conftest import live_server
+from test_server import _metric
 
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_chat_model):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(tiny_chat_model), "--port", str(port),
-           "--served-model-name", "tiny", "--max-total-tokens", "4096", "--speculative-algorithm", "DRAFT_MODEL",
-           "--speculative-draft-model-path", str(tiny_chat_model), "--speculative-num-steps", "3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None
-        time.sleep(0.1)
-    yield {"base": base}
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    with live_server("--model", str(tiny_chat_model), "--served-model-name", "tiny", "--max-total-tokens", "4096",
+                     "--speculative-algorithm", "DRAFT_MODEL", "--speculative-draft-model-path", str(tiny_chat_model),
+                     "--speculative-num-steps", "3") as base:
+        yield {"base": base}
 
 
 def test_usage_and_metrics_report_acceptance(spec_server):

@@ -133,11 +133,7 @@ def _hf_peer(resolved, llm, dtype: torch.dtype):
     hf_dtype = torch.float32 if device.type == "cpu" else dtype
     if resolved.weights_dir is not None:
         return AutoModelForCausalLM.from_pretrained(str(resolved.weights_dir), dtype=hf_dtype).to(device).eval()
-    from specserve.engine.factory import shipped_config
-
-    path = Path(llm.config.model_path)
-    path = path if path.exists() else shipped_config(llm.config.model_path)
-    fields = json.loads((path if path.is_file() else path / "config.json").read_text())
+    fields = json.loads(resolved.config_file.read_text())
     config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
     with torch.device(device):  # random init where the model lives: fast on a GPU
         return AutoModelForCausalLM.from_config(config, dtype=hf_dtype).eval()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import shlex
 import sys
@@ -142,8 +143,8 @@ def _acceptance_from_metrics(before: dict, after: dict) -> float | None:
 
 def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
     """The engine in this process, no HTTP: tok/s and where each step's time goes."""
-    from specserve.engine.phases import PhaseTimer
     from specserve.engine.factory import pick_device
+    from specserve.engine.phases import NoTimer, PhaseTimer
     from specserve.llm import LLM
 
     llm = LLM(config=engine_config, progress=not args.quiet)
@@ -164,9 +165,9 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
             timer = PhaseTimer(pick_device(engine_config))
             llm.engine.time_phases(timer)
             results, duration = _offline_wave(llm, token_prompts, prompts, int(value), args)
-            llm.engine.time_phases(_no_timer())
+            llm.engine.time_phases(NoTimer())
             record = {**_base_record(args, "offline"), "model": llm.model_info.name,
-                      "engine_config": _config_dict(engine_config), kind: value, "simulated_accept_len": simulated,
+                      "engine_config": dataclasses.asdict(engine_config), kind: value, "simulated_accept_len": simulated,
                       **summarize(results, duration), "step_ms": timer.per_step_ms(), "num_steps": timer.steps}
             record["acceptance_simulated"] = simulated is not None
             records.append(record)
@@ -176,18 +177,6 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
             print(f"C={int(value)}: {record['output_tok_s']:,.1f} out tok/s; per step (ms): {steps}", flush=True)
     _finish(records, out, f"{llm.model_info.name} offline — {args.dataset}")
     return records
-
-
-def _no_timer():
-    from specserve.engine.phases import NoTimer
-
-    return NoTimer()
-
-
-def _config_dict(engine_config) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(engine_config)
 
 
 def _tokenize(llm, prompt: BenchPrompt) -> list[int]:

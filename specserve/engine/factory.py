@@ -29,6 +29,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class ResolvedModel:
     name: str
     model_cfg: ModelConfig
+    config_file: Path
     weights_dir: Path | None  # None: random weights
     tokenizer_dir: Path | None
 
@@ -65,7 +66,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     model_dir = config_file.parent
     has_tokenizer = (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()
     weights_dir = None if config.load_format == "dummy" else model_dir
-    return ResolvedModel(name, model_cfg, weights_dir, model_dir if has_tokenizer else None)
+    return ResolvedModel(name, model_cfg, config_file, weights_dir, model_dir if has_tokenizer else None)
 
 
 def _converted(gguf_path: Path, config: EngineConfig) -> Path:
