@@ -65,11 +65,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--chunked-prefill-size", type=int, default=2048)
 
 
 def _target_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model_path=args.model_path, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                        cache=CacheConfig(max_total_tokens=args.max_total_tokens))
+                        cache=CacheConfig(max_total_tokens=args.max_total_tokens),
+                        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                                  chunked_prefill_size=args.chunked_prefill_size))
 
 
 def _numbers(kind):
@@ -132,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--temperature", type=float, default=0.0)
     train.add_argument("--draft-vocab-size", type=int, default=16384)
     train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--train-minutes", type=float, default=None,
+                       help="set --steps from the speed measured in warm-up so training takes this long")
+    train.add_argument("--stop-after-minutes", type=float, default=None,
+                       help="checkpoint and exit after this long; the same command resumes")
+    train.add_argument("--gen-batch", type=int, default=256, help="prompts generated at a time (one data shard each)")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--max-len", type=int, default=1024)
     train.add_argument("--lr", type=float, default=1e-4)
@@ -150,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-tokens", type=int, default=256)
     evaluate.add_argument("--chain-steps", type=int, default=5)
     evaluate.add_argument("--tree", type=int, nargs=3, default=[4, 5, 16], metavar=("TOPK", "STEPS", "TOKENS"))
+    evaluate.add_argument("--concurrency", type=int, default=1,
+                          help="conversations decoded together (tok/s is then batch throughput)")
     evaluate.add_argument("--out", default=None, help="write the results JSON here")
 
     bench = sub.add_parser("bench", help="benchmarks: serving sweeps (online, offline, compare), decode, spec")

@@ -162,3 +162,41 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
     spec = LLM(model=str(tiny_chat_model), max_total_tokens=4096,
                spec=SpecConfig("EAGLE3", str(out), 3)).generate(prompt, params)[0]
     assert spec.token_ids == plain.token_ids and spec.num_spec_steps > 0
+
+    # eval-draft, two conversations at a time: every setting decodes the same tokens, greedy.
+    report_path = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "specserve.cli", "eval-draft", "--target", str(tiny_chat_model), "--device", "cpu",
+           "--max-total-tokens", "4096", "--draft", str(out), "--data", str(prompts), "--num-questions", "3",
+           "--max-tokens", "12", "--chain-steps", "3", "--tree", "2", "3", "6", "--concurrency", "2",
+           "--out", str(report_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(report_path.read_text())["results"]
+    assert [r["output_tokens"] for r in rows] == [rows[0]["output_tokens"]] * 3
+    assert rows[0]["mean_acceptance_length"] is None
+    assert all(1.0 <= r["mean_acceptance_length"] <= 4.0 for r in rows[1:])
+
+
+def test_time_budget_fixes_the_schedule_at_the_end_of_warm_up_and_stopping_resumes(tmp_path):
+    """--train-minutes sets the step count from the warm-up speed; --stop-after-minutes checkpoints and exits,
+    and a resumed run keeps the step count the first run settled on."""
+    from specserve.train.trainer import TrainConfig, Trainer, new_head
+
+    torch.manual_seed(0)
+    target, samples = _Target().requires_grad_(False), _fake_samples(10, 0)
+    cfg = TrainConfig(steps=10**6, batch_size=2, lr=1e-3, warmup_steps=6, ttt_steps=2, checkpoint_every=1000,
+                      minutes=0.02)
+    first = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
+    assert first.train(progress=False, stop_at=0.0) is False  # stops after its first step
+    assert first.step == 1 and (tmp_path / "checkpoint.pt").exists()
+    second = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
+    assert second.resume() and second.cfg.steps == 10**6  # not settled yet: still in warm-up
+    assert second.train(progress=False) is True
+    settled = second.cfg.steps
+    assert 6 < settled < 10**6
+    third = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
+    assert third.resume() and third.cfg.steps == settled and third.step == second.step
+    # The lr schedule is the one of a plain run of `settled` steps.
+    plain = replace(cfg, steps=settled, minutes=None)
+    from specserve.train.trainer import lr_at
+    assert [h["lr"] for h in second.history] == [lr_at(i, plain) for i in range(len(second.history))]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from dataclasses import replace
@@ -41,7 +42,7 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
         if not prompts:
             raise ValueError(f"every prompt is longer than --max-len {args.max_len} minus --max-tokens")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        shards = generate(llm, prompts, taps, params, data_dir)
+        shards = generate(llm, prompts, taps, params, data_dir, shard_size=args.gen_batch)
     samples = read_shards(shards)
     generated_at = time.time()
     vocab = model.config.vocab_size
@@ -49,10 +50,19 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     head = new_head(model, draft_ids, llm.engine.max_model_len, args.seed)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, seed=args.seed,
-                      checkpoint_every=args.checkpoint_every)
+                      checkpoint_every=args.checkpoint_every, minutes=args.train_minutes)
+    del llm  # and its KV pool: the trainer needs only the model's embedding and lm_head
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     trainer = Trainer(head, model, samples, cfg, out)
     resumed = trainer.resume()
-    history = trainer.train()
+    stop_at = started + args.stop_after_minutes * 60 if args.stop_after_minutes else None
+    if not trainer.train(stop_at=stop_at):
+        print(f"stopped at step {trainer.step} of {trainer.cfg.steps} (--stop-after-minutes); "
+              f"the same command resumes from {out / 'checkpoint.pt'}")
+        return {"stopped_at_step": trainer.step}
+    history = trainer.history
     shipped = head.to(torch.bfloat16) if args.save_dtype == "bfloat16" else head
     save_eagle3_head(shipped, out, max_shard_bytes=args.max_shard_mib * 2**20)
     report = {
@@ -60,7 +70,8 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
         "data": args.data, "num_samples": len(samples),
         "num_answer_tokens": int(sum(s.loss_mask.sum() for s in samples)),
         "draft_vocab_size": len(draft_ids), "train_config": vars(args) | {"resumed": resumed},
-        "generation_s": generated_at - started, "training_s": time.time() - generated_at,
+        "generation_s": generated_at - started, "training_s": trainer.train_seconds,
+        "steps": trainer.cfg.steps,
         "final_loss": history[-1]["loss"] if history else None,
         "final_accuracy": history[-1]["accuracy"] if history else None, "history": history[-50:],
     }
@@ -91,24 +102,29 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
     for label, spec in settings:
         llm = LLM(config=replace(engine_config, spec=spec))
         tokens, seconds, steps, accepted = 0, 0.0, 0, 0
-        for turns in conversations:
-            messages = []
-            for turn in turns:
-                messages.append({"role": "user", "content": turn})
-                ids = _chat_ids(llm, messages)
+        for first in range(0, len(conversations), args.concurrency):
+            group = conversations[first:first + args.concurrency]
+            histories = [[] for _ in group]
+            for turn in range(max(len(turns) for turns in group)):
+                active = [i for i, turns in enumerate(group) if turn < len(turns)]
+                for i in active:
+                    histories[i].append({"role": "user", "content": group[i][turn]})
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
                 t0 = time.perf_counter()
-                out = llm.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))[0]
+                outs = llm.generate([_chat_ids(llm, histories[i]) for i in active], params)
                 seconds += time.perf_counter() - t0
-                tokens += len(out.token_ids)
-                steps, accepted = steps + out.num_spec_steps, accepted + out.num_accepted_tokens
-                messages.append({"role": "assistant", "content": out.text})
+                for i, out in zip(active, outs):
+                    tokens += len(out.token_ids)
+                    steps, accepted = steps + out.num_spec_steps, accepted + out.num_accepted_tokens
+                    histories[i].append({"role": "assistant", "content": out.text})
         rows.append({"setting": label, "tok_s": tokens / seconds, "output_tokens": tokens,
                      "mean_acceptance_length": (accepted + steps) / steps if steps else None})
         print(rows[-1], flush=True)
     for row in rows:
         row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
     report = {"command": "specserve eval-draft", "draft": args.draft, "data": args.data,
-              "num_conversations": len(conversations), "max_tokens": args.max_tokens, "results": rows}
+              "num_conversations": len(conversations), "max_tokens": args.max_tokens,
+              "concurrency": args.concurrency, "device": str(llm.engine.runner.device), "results": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return report

@@ -3,7 +3,8 @@ bf16 autocast on a GPU, resumable checkpoints, and a progress bar with the loss 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ class TrainConfig:
     ttt_steps: int = 7  # unroll depth K
     seed: int = 0
     checkpoint_every: int = 200
+    # When set, `steps` is fixed at the end of warm-up (whose learning rates do not depend on it) so that the
+    # whole run takes about this many minutes at the speed measured during warm-up.
+    minutes: float | None = None
 
 
 def new_head(target: torch.nn.Module, draft_ids: torch.Tensor, max_positions: int, seed: int) -> Eagle3Head:
@@ -76,10 +80,13 @@ class Trainer:
         self.device = target.embed_tokens.weight.device
         draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
         self.draft_lm_head = _lm_head_weight(target)[draft_ids.to(self.device)].detach().float()
-        self.samples = samples
         head.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if self.device.type == "cuda":
+            samples = _samples_on_gpu(samples, self.device)
+        self.samples = samples
         self.step = 0
+        self.train_seconds = 0.0  # summed over resumed runs
         self.history: list[dict] = []
 
     # -- checkpoints ---------------------------------------------------------
@@ -87,7 +94,8 @@ class Trainer:
         path = self.out_dir / CHECKPOINT
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                    "config": asdict(self.cfg), "history": self.history}, path)
+                    "config": asdict(self.cfg), "history": self.history, "train_seconds": self.train_seconds},
+                   path)
         return path
 
     def resume(self) -> bool:
@@ -99,6 +107,9 @@ class Trainer:
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
+        self.train_seconds = state.get("train_seconds", 0.0)
+        if self.cfg.minutes is not None and self.step >= self.cfg.warmup_steps:  # the length already settled on
+            self.cfg = replace(self.cfg, steps=state["config"]["steps"])
         return True
 
     # -- training ------------------------------------------------------------
@@ -121,29 +132,63 @@ class Trainer:
             target_logits = hidden @ self.draft_lm_head.T
         return TTTBatch(ids, taps, target_logits, mask)
 
-    def train(self, progress: bool = True) -> list[dict]:
-        cfg = self.cfg
+    def train(self, progress: bool = True, stop_at: float | None = None) -> bool:
+        """Trains to the end of the schedule, checkpointing on the way. With `stop_at` (a time.time() value),
+        it checkpoints and returns False once that time passes; running again resumes."""
+        if self.cfg.minutes is not None and self.cfg.warmup_steps < 5:
+            raise ValueError("a time-budgeted run measures its speed during warm-up: use at least 5 warm-up steps")
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _nothing()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="training draft head", disable=not progress)
-        while self.step < cfg.steps:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr_at(self.step, cfg)
-            with autocast:
-                result = unrolled_loss(self.head, self.embed, self.batch(self.step), cfg.ttt_steps)
-            self.optimizer.zero_grad(set_to_none=True)
-            result.loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
-            self.optimizer.step()
-            self.step += 1
-            record = {"step": self.step, "loss": result.loss.item(), "lr": lr_at(self.step - 1, cfg),
-                      "accuracy": result.accuracy, "kl": result.kl}
-            self.history.append(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in result.accuracy[:4]))
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="training draft head", disable=not progress)
+        first_step, warm_clock = self.step, None
+        while self.step < self.cfg.steps:
+            started = time.perf_counter()
+            record = self._train_step(autocast)
+            self.train_seconds += time.perf_counter() - started
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in record["accuracy"][:4]))
             bar.update(1)
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+            if self.step == first_step + 2:  # the first steps pay for allocation and kernel selection
+                warm_clock = (self.train_seconds, self.step)
+            if self.step == self.cfg.warmup_steps and self.cfg.minutes is not None:
+                self._fix_schedule_length(warm_clock)
+                bar.total = self.cfg.steps
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                 self.save_checkpoint()
+            if stop_at is not None and time.time() > stop_at and self.step < self.cfg.steps:
+                self.save_checkpoint()
+                bar.close()
+                return False
         bar.close()
-        return self.history
+        return True
+
+    def _train_step(self, autocast) -> dict:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.cfg)
+        with autocast:
+            result = unrolled_loss(self.head, self.embed, self.batch(self.step), self.cfg.ttt_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        record = {"step": self.step, "loss": result.loss.item(), "lr": lr_at(self.step - 1, self.cfg),
+                  "accuracy": result.accuracy, "kl": result.kl}
+        self.history.append(record)
+        return record
+
+    def _fix_schedule_length(self, warm_clock: tuple[float, int] | None) -> None:
+        seconds, step = warm_clock if warm_clock and warm_clock[1] < self.step else (0.0, 0)
+        per_step = (self.train_seconds - seconds) / max(1, self.step - step)
+        left = self.cfg.minutes * 60 - self.train_seconds
+        self.cfg = replace(self.cfg, steps=self.step + max(1, int(left / per_step)))
+
+
+def _samples_on_gpu(samples: list[Sample], device: torch.device) -> list[Sample]:
+    """Batches are cut from device memory when the samples fit with room to spare, else from host memory."""
+    total = sum(t.numel() * t.element_size() for s in samples
+                for t in (s.input_ids, s.taps, s.hidden, s.loss_mask))
+    if torch.cuda.mem_get_info(device)[0] < 2 * total:
+        return samples
+    return [Sample(*(t.to(device) for t in (s.input_ids, s.taps, s.hidden, s.loss_mask))) for s in samples]
 
 
 class _nothing:
