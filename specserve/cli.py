@@ -27,11 +27,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graph", action="store_true", help="run every GPU step eagerly")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured in a graph")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "DRAFT_MODEL"])
+    s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "DRAFT_MODEL", "NONE"],
+                   help="default: EAGLE3 with the bundled head for the embedded default model, else none")
     s.add_argument("--speculative-draft-model-path", default=None,
                    help="EAGLE3: a head in the public EAGLE-3 format; DRAFT_MODEL: a smaller HF causal LM")
-    s.add_argument("--speculative-num-steps", type=int, default=3, help="levels of the draft tree (chain depth)")
-    s.add_argument("--speculative-eagle-topk", type=int, default=1, help="children per node; 1 drafts a chain")
+    s.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="levels of the draft tree (chain depth); default 3, or the bundled head's setting")
+    s.add_argument("--speculative-eagle-topk", type=int, default=None,
+                   help="children per node; 1 (the default) drafts a chain")
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tokens verified per request per step, root included (default: steps * topk + 1)")
     s.add_argument("--speculative-simulate-accept-len", type=float, default=None,
@@ -52,10 +55,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
-        spec=SpecConfig(args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
-                        args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-                        args.speculative_simulate_accept_len),
+        spec=spec_config(args),
     )
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """Speculation is on by default only for the embedded default model, which ships a trained head."""
+    from specserve import draft_heads
+
+    algorithm, head = args.speculative_algorithm, args.speculative_draft_model_path
+    steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
+    bundled = algorithm is None and args.model_path is None and args.load_format != "dummy"
+    if algorithm == "NONE" or (algorithm is None and not bundled):
+        return SpecConfig()
+    if bundled:
+        algorithm, head = "EAGLE3", head or str(draft_heads.SMOLLM2_HEAD)
+        steps = steps or draft_heads.SMOLLM2_DEFAULT_STEPS
+        topk = topk or draft_heads.SMOLLM2_DEFAULT_TOPK
+    return SpecConfig(algorithm, head, steps or 3, topk or 1, args.speculative_num_draft_tokens,
+                      args.speculative_simulate_accept_len)
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:

@@ -307,3 +307,49 @@ def test_sglang_flags_build_the_spec_config():
         SpecConfig("EAGLE3", "head", 1, 2, 8)  # one level of top-2 offers two drafts
     with pytest.raises(ValueError, match="draft-model-path"):
         SpecConfig("DRAFT_MODEL")
+
+
+def test_the_embedded_default_model_speculates_with_the_bundled_head_by_default():
+    from specserve import draft_heads
+    from specserve.cli import build_parser, engine_config
+
+    def spec_of(*argv):
+        return engine_config(build_parser().parse_args(["serve", *argv])).spec
+
+    default = spec_of()
+    assert default.algorithm == "EAGLE3" and default.draft_model_path == str(draft_heads.SMOLLM2_HEAD)
+    assert (default.num_steps, default.eagle_topk) == (draft_heads.SMOLLM2_DEFAULT_STEPS,
+                                                        draft_heads.SMOLLM2_DEFAULT_TOPK)
+    assert spec_of("--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
+                   "--speculative-num-draft-tokens", "16") == SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD),
+                                                                        5, 4, 16)
+    assert spec_of("--speculative-algorithm", "NONE").algorithm is None
+    assert spec_of("--model-path", "some-model").algorithm is None  # no head is known for other models
+    assert spec_of("--load-format", "dummy").algorithm is None
+
+
+@pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 3, None), (4, 5, 16)])
+def test_the_bundled_head_is_small_lossless_and_accepts(smollm2_dir, topk, num_steps, num_draft_tokens):
+    """The shipped head: bf16 shards of at most 16 MiB, a draft vocabulary of at most 16k tokens, greedy
+    output identical to plain decoding of the embedded model, and real acceptance (a random head gets 1.0)."""
+    import json
+
+    from specserve import draft_heads
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+
+    head = draft_heads.SMOLLM2_HEAD
+    assert all(p.stat().st_size <= 16 * 2**20 for p in head.glob("*.safetensors"))
+    assert json.loads((head / "config.json").read_text())["draft_vocab_size"] <= 16384
+    llm = LLM(model=str(smollm2_dir), max_total_tokens=2048)
+    messages = [[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+                [{"role": "user", "content": "Write a short poem about the sea."}]]
+    prompts = [llm.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = llm.generate(prompts, params)
+    spec = LLM(model=str(smollm2_dir), max_total_tokens=2048,
+               spec=SpecConfig("EAGLE3", str(head), num_steps, topk, num_draft_tokens)).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    steps = sum(o.num_spec_steps for o in spec)
+    tau = (sum(o.num_accepted_tokens for o in spec) + steps) / steps
+    assert tau > 1.3, tau  # 1.46 for the chain, measured; a random head gives 1.0

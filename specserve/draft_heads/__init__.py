@@ -1,0 +1,15 @@
+"""EAGLE-3 heads shipped with specserve, in the public format (config.json + bf16 safetensors shards).
+
+`smollm2_135m_instruct` drafts for the embedded default model. It was trained with
+`benchmarks/train_smollm2_h200.sh` (specserve train-draft on one H200); the README records its data, time and
+acceptance.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+SMOLLM2_HEAD = Path(__file__).parent / "smollm2_135m_instruct"
+
+# The draft shape the default server uses with it: measured fastest on a 2-core CPU at batch 1 (README).
+SMOLLM2_DEFAULT_STEPS = 3
+SMOLLM2_DEFAULT_TOPK = 1
