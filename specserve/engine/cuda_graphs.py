@@ -53,15 +53,13 @@ class DecodeGraphs:
         # One page table per context bucket, so a batch's rows are a contiguous slice of it.
         self.tables = {n: torch.zeros(self.max_bs, -(-n // page_size), dtype=torch.int32, device=self.device)
                        for n in self.context_lens}
-        self._no_slots = torch.empty(0, 0, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self._capture(progress)
 
     def _meta(self, bs: int, n: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], kv_slots=self._no_slots, mask=None,
-                                 query_rows=None, max_q=1, block_tables=self.tables[n][:bs],
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.tables[n][:bs],
                                  seq_lens=self.seq_lens[:bs], page_size=self.page_size, num_splits=num_splits(n))
 
     def _forward(self, bs: int, n: int) -> torch.Tensor:

@@ -3,23 +3,37 @@
 The KV pool of one layer is a tensor [2, num_slots, kv_heads, head_dim]; slot = page * page_size + offset.
 Each step writes the new keys/values to their slots, then gathers every sequence's context into a padded
 batch and runs SDPA with a mask that is causal within the step and open to everything before it. One token
-per sequence and sixteen per sequence go through the same code.
+per sequence and sixteen per sequence go through the same code. A step that mixes decode rows with prefill
+chunks runs one SDPA call for the short rows and one per chunk, so padding stays bounded.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 
+# Sequences with at most this many queries (decode steps and verified draft trees) share one padded SDPA call;
+# each longer one (a prefill chunk) gets its own, so it does not pad every decode row to its length.
+SHORT_QUERY = 16
+
+
+@dataclass(frozen=True)
+class QueryGroup:
+    """Sequences whose queries are padded to one length and attended in one SDPA call."""
+
+    kv_slots: torch.Tensor  # [B, max_kv] slots of each sequence's context, padded with slot 0
+    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] True where a query may attend; None: attend to all
+    query_rows: torch.Tensor | None  # [T_g] row in the padded [B * max_q] layout; None if max_q == 1
+    max_q: int
+    tokens: torch.Tensor | None = None  # [T_g] which of the step's tokens are this group's; None: all
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each token computed this step
-    kv_slots: torch.Tensor  # [B, max_kv] slots of each sequence's context, padded with slot 0
-    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] True where a query may attend; None: attend to all
-    query_rows: torch.Tensor | None  # [T] row in the padded [B * max_q] query layout; None if T == B, max_q == 1
-    max_q: int
+    groups: tuple[QueryGroup, ...] = ()  # the PyTorch reference path's SDPA calls
     # Set for the Triton decode kernel (one query per sequence, GPU): page tables and context lengths.
     block_tables: torch.Tensor | None = None  # [B, pages] int32
     seq_lens: torch.Tensor | None = None  # [B] int32
@@ -38,42 +52,24 @@ class AttentionMetadata:
     ) -> "AttentionMetadata":
         """`tree_masks[b]`, if given, is a [q, q] ancestor mask replacing causality among sequence b's step
         tokens (a draft tree stored parents-first, one slot per node)."""
-        batch = len(query_lens)
-        max_q = max(query_lens)
-        kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
-        max_kv = max(kv_lens)
-        max_pages = max(len(p) for p in page_tables)
-        table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables], dtype=torch.long)
-        kv_pos = torch.arange(max_kv)
-        kv_slots = table[:, kv_pos // page_size] * page_size + kv_pos % page_size  # [B, max_kv]
-
-        starts = torch.tensor(start_positions)
-        qlens = torch.tensor(query_lens)
-        q_offset = torch.arange(max_q)
-        q_pos = starts[:, None] + q_offset[None, :]  # [B, max_q]
-        valid_q = q_offset[None, :] < qlens[:, None]
-        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, max_q, max_kv]
-        for b, tree in enumerate(tree_masks or []):
-            if tree is not None:
-                q, start = query_lens[b], start_positions[b]
-                mask[b, :q, start:start + q] = tree
-        if max_q == 1 and min(kv_lens) == max_kv:
-            mask = None  # every query sees its whole row; SDPA's unmasked path is faster
-
-        flat_pos = torch.cat([torch.arange(s, s + q) for s, q in zip(start_positions, query_lens)])
-        seq_index = torch.repeat_interleave(torch.arange(batch), qlens)
-        slot_mapping = kv_slots[seq_index, flat_pos]
-        query_rows = None
-        if max_q > 1:
-            query_rows = seq_index * max_q + (flat_pos - starts[seq_index])
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            kv_slots=kv_slots.to(device),
-            mask=None if mask is None else mask.unsqueeze(1).to(device),
-            query_rows=None if query_rows is None else query_rows.to(device),
-            max_q=max_q,
-        )
-
+        trees = list(tree_masks or []) + [None] * (len(query_lens) - len(tree_masks or []))
+        first_token = [0]
+        for q in query_lens:
+            first_token.append(first_token[-1] + q)
+        short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
+        parts = ([short] if short else []) + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY]
+        if len(parts) == 1:
+            group, slot_mapping = _padded_group(query_lens, start_positions, page_tables, page_size, trees, device)
+            return cls(slot_mapping=slot_mapping.to(device), groups=(group,))
+        groups, slot_mapping = [], torch.empty(first_token[-1], dtype=torch.long)
+        for members in parts:
+            group, slots = _padded_group([query_lens[b] for b in members], [start_positions[b] for b in members],
+                                         [page_tables[b] for b in members], page_size,
+                                         [trees[b] for b in members], device)
+            tokens = torch.cat([torch.arange(first_token[b], first_token[b + 1]) for b in members])
+            slot_mapping[tokens] = slots
+            groups.append(replace(group, tokens=tokens.to(device)))
+        return cls(slot_mapping=slot_mapping.to(device), groups=tuple(groups))
 
     @classmethod
     def from_slots(
@@ -92,13 +88,45 @@ class AttentionMetadata:
             mask[b, : m.shape[0], : len(row)] = m
         slot_mapping = torch.cat([row[len(row) - q:] for row, q in zip(kv_slots, query_lens)])
         query_rows = torch.cat([torch.arange(q) + b * max_q for b, q in enumerate(query_lens)])
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            kv_slots=slots.to(device),
-            mask=mask.unsqueeze(1).to(device),
-            query_rows=query_rows.to(device) if max_q > 1 else None,
-            max_q=max_q,
-        )
+        group = QueryGroup(kv_slots=slots.to(device), mask=mask.unsqueeze(1).to(device),
+                           query_rows=query_rows.to(device) if max_q > 1 else None, max_q=max_q)
+        return cls(slot_mapping=slot_mapping.to(device), groups=(group,))
+
+
+def _padded_group(query_lens: list[int], start_positions: list[int], page_tables: list[list[int]],
+                  page_size: int, trees: list[torch.Tensor | None], device: torch.device):
+    """One SDPA call's metadata for these sequences, and the slots of their step tokens (host tensor)."""
+    batch = len(query_lens)
+    max_q = max(query_lens)
+    kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
+    max_kv = max(kv_lens)
+    max_pages = max(len(p) for p in page_tables)
+    table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables], dtype=torch.long)
+    kv_pos = torch.arange(max_kv)
+    kv_slots = table[:, kv_pos // page_size] * page_size + kv_pos % page_size  # [B, max_kv]
+
+    starts = torch.tensor(start_positions)
+    qlens = torch.tensor(query_lens)
+    q_offset = torch.arange(max_q)
+    q_pos = starts[:, None] + q_offset[None, :]  # [B, max_q]
+    valid_q = q_offset[None, :] < qlens[:, None]
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, max_q, max_kv]
+    for b, tree in enumerate(trees):
+        if tree is not None:
+            q, start = query_lens[b], start_positions[b]
+            mask[b, :q, start:start + q] = tree
+    if max_q == 1 and min(kv_lens) == max_kv:
+        mask = None  # every query sees its whole row; SDPA's unmasked path is faster
+
+    flat_pos = torch.cat([torch.arange(s, s + q) for s, q in zip(start_positions, query_lens)])
+    seq_index = torch.repeat_interleave(torch.arange(batch), qlens)
+    slots = kv_slots[seq_index, flat_pos]  # [T_g] in sequence order
+    query_rows = None
+    if max_q > 1:
+        query_rows = (seq_index * max_q + (flat_pos - starts[seq_index])).to(device)
+    group = QueryGroup(kv_slots=kv_slots.to(device), mask=None if mask is None else mask.unsqueeze(1).to(device),
+                       query_rows=query_rows, max_q=max_q)
+    return group, slots
 
 
 def paged_attention(
@@ -117,25 +145,35 @@ def paged_attention(
         out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.page_size,
                                      meta.num_splits)
         return out.view(q.shape[0], -1)
-    batch = meta.kv_slots.shape[0]
+    if len(meta.groups) == 1 and meta.groups[0].tokens is None:
+        return _attend(q, kv_cache, meta.groups[0], scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for group in meta.groups:
+        out[group.tokens] = _attend(q[group.tokens], kv_cache, group, scale)
+    return out
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, group: QueryGroup, scale: float) -> torch.Tensor:
+    """Gathers each sequence's context from its slots and runs SDPA over the padded batch."""
+    batch = group.kv_slots.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    if meta.query_rows is None:
+    if group.query_rows is None:
         q_pad = q.unsqueeze(1)
     else:
-        q_pad = q.new_zeros(batch * meta.max_q, num_heads, head_dim)
-        q_pad[meta.query_rows] = q
-        q_pad = q_pad.view(batch, meta.max_q, num_heads, head_dim)
-    gather_shape = (*meta.kv_slots.shape, *kv_cache.shape[2:])  # [B, max_kv, Hkv, D]
-    flat_slots = meta.kv_slots.view(-1)
+        q_pad = q.new_zeros(batch * group.max_q, num_heads, head_dim)
+        q_pad[group.query_rows] = q
+        q_pad = q_pad.view(batch, group.max_q, num_heads, head_dim)
+    gather_shape = (*group.kv_slots.shape, *kv_cache.shape[2:])  # [B, max_kv, Hkv, D]
+    flat_slots = group.kv_slots.view(-1)
     keys = kv_cache[0].index_select(0, flat_slots).view(gather_shape)
     values = kv_cache[1].index_select(0, flat_slots).view(gather_shape)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=meta.mask,
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=True,
     )  # [B, H, max_q, D]
-    out = out.transpose(1, 2).reshape(batch * meta.max_q, num_heads * head_dim)
-    return out if meta.query_rows is None else out[meta.query_rows]
+    out = out.transpose(1, 2).reshape(batch * group.max_q, num_heads * head_dim)
+    return out if group.query_rows is None else out[group.query_rows]
