@@ -200,3 +200,45 @@ def test_time_budget_fixes_the_schedule_at_the_end_of_warm_up_and_stopping_resum
     plain = replace(cfg, steps=settled, minutes=None)
     from specserve.train.trainer import lr_at
     assert [h["lr"] for h in second.history] == [lr_at(i, plain) for i in range(len(second.history))]
+
+
+def test_engine_acceptance_equals_the_training_walk(smollm2_dir, tmp_path):
+    """Walking 3-chains through the training-time test's logits, as the engine walks them (each chain starts
+    at the token after the last one accepted), predicts the engine's acceptance exactly. This ties datagen's
+    taps, training and inference together: a tap layer or position recorded differently from what the engine
+    feeds the head at inference would pass the math check above and fail here."""
+    from specserve import draft_heads
+    from specserve.config import SpecConfig
+    from specserve.llm import LLM
+    from specserve.models.loader import load_eagle3_head
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.datagen import generate, read_shards
+
+    head_dir = draft_heads.SMOLLM2_HEAD
+    llm = LLM(model=str(smollm2_dir), max_total_tokens=2048)
+    model = llm.engine.runner.model
+    head = load_eagle3_head(head_dir, model.config, torch.float32, torch.device("cpu"), 2048)
+    messages = [{"role": "user", "content": "List three uses of copper and explain each briefly."}]
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                    tokenize=False), add_special_tokens=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec_output = LLM(model=str(smollm2_dir), max_total_tokens=2048,
+                      spec=SpecConfig("EAGLE3", str(head_dir), 3)).generate([prompt], params)[0]
+    sample = read_shards(generate(llm, [prompt], head.config.target_layers, params, tmp_path / "walk",
+                                  progress=False))[0]
+    ids = sample.input_ids
+    assert ids[len(prompt):].tolist() == spec_output.token_ids
+    batch = TTTBatch(ids[None], sample.taps[None].float(), torch.zeros(1, len(ids), head.config.draft_vocab_size),
+                     sample.loss_mask[None])
+    with torch.no_grad():
+        logits = unrolled_loss(head, model.embed_tokens, batch, 3, keep_logits=True).logits
+    drafts = [head.to_target_ids(step[0].argmax(-1)) for step in logits]  # drafts[k][t]: chain t, step k
+    end, steps, accepted = len(ids), 0, 0
+    t = len(prompt) - 1  # the first chain drafts after the first answer token, at position len(prompt)
+    while (room := min(3, end - t - 3)) > 0:  # the engine keeps one token of max_tokens for the bonus
+        n = 0
+        while n < room and drafts[n][t] == ids[t + n + 2]:
+            n += 1
+        steps, accepted, t = steps + 1, accepted + n, t + n + 1
+    assert accepted > 0
+    assert (steps, accepted) == (spec_output.num_spec_steps, spec_output.num_accepted_tokens)
