@@ -42,7 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "output is not the model's and is labelled simulated")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> EngineConfig:
+    """`bundled_head`: the embedded default model drafts with its shipped head unless flags say otherwise
+    (serve and generate; benchmarks measure exactly what their flags ask for)."""
     return EngineConfig(
         model_path=args.model_path,
         load_format=args.load_format,
@@ -55,25 +57,35 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
-        spec=spec_config(args),
+        spec=spec_config(args, bundled_head),
     )
 
 
-def spec_config(args: argparse.Namespace) -> SpecConfig:
-    """Speculation is on by default only for the embedded default model, which ships a trained head."""
+def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecConfig:
+    """The embedded default model ships a trained head: EAGLE3 without a head path uses it, and with
+    `bundled_head` it is on unless --speculative-algorithm NONE. On a GPU it stays off by default, because
+    drafting and verification there still run eagerly and cost several plain steps."""
     from specserve import draft_heads
 
     algorithm, head = args.speculative_algorithm, args.speculative_draft_model_path
     steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
-    bundled = algorithm is None and args.model_path is None and args.load_format != "dummy"
-    if algorithm == "NONE" or (algorithm is None and not bundled):
+    embedded = args.model_path is None and args.load_format != "dummy"
+    if algorithm is None and bundled_head and embedded and _runs_on_cpu(args.device):
+        algorithm = "EAGLE3"
+    if algorithm in (None, "NONE"):
         return SpecConfig()
-    if bundled:
-        algorithm, head = "EAGLE3", head or str(draft_heads.SMOLLM2_HEAD)
-        steps = steps or draft_heads.SMOLLM2_DEFAULT_STEPS
-        topk = topk or draft_heads.SMOLLM2_DEFAULT_TOPK
-    return SpecConfig(algorithm, head, steps or 3, topk or 1, args.speculative_num_draft_tokens,
-                      args.speculative_simulate_accept_len)
+    if algorithm == "EAGLE3" and embedded and head is None:
+        head = str(draft_heads.SMOLLM2_HEAD)
+        steps = draft_heads.SMOLLM2_DEFAULT_STEPS if steps is None else steps
+        topk = draft_heads.SMOLLM2_DEFAULT_TOPK if topk is None else topk
+    return SpecConfig(algorithm, head, 3 if steps is None else steps, 1 if topk is None else topk,
+                      args.speculative_num_draft_tokens, args.speculative_simulate_accept_len)
+
+
+def _runs_on_cpu(device: str) -> bool:
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -211,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from specserve.server.launch import serve
 
-        serve(ServerConfig(args.host, args.port, args.api_key, args.served_model_name, engine_config(args)))
+        serve(ServerConfig(args.host, args.port, args.api_key, args.served_model_name,
+                           engine_config(args, bundled_head=True)))
     elif args.command == "generate":
         return _generate(args)
     elif args.command == "bench" and args.bench == "decode":
@@ -258,7 +271,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
     from specserve.sampling_params import SamplingParams
 
-    llm = LLM(config=engine_config(args), progress=True)
+    llm = LLM(config=engine_config(args, bundled_head=True), progress=True)
     prompts = args.prompts
     if args.chat:
         prompts = [

@@ -26,8 +26,9 @@ def _dense_reference(q, k_ctx, v_ctx, start, mask=None):
 
 def test_mixed_steps_attend_like_each_sequence_alone():
     g = torch.Generator().manual_seed(0)
-    # (query tokens this step, tokens already in the cache): decode, decode, a 4-node tree, two prefill chunks.
-    seqs = [(1, 9), (1, 30), (4, 12), (40, 0), (23, 17)]
+    # (query tokens this step, tokens already in the cache): prefill chunks of two sizes around decode rows
+    # and a 4-node tree; the two 40-token chunks share a call.
+    seqs = [(40, 0), (1, 9), (1, 30), (4, 12), (23, 17), (40, 3)]
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     pages, next_page = [], 1
     for q, start in seqs:
@@ -43,15 +44,15 @@ def test_mixed_steps_attend_like_each_sequence_alone():
         contexts.append((k, v))
     query_lens, starts = [q for q, _ in seqs], [s for _, s in seqs]
     meta = AttentionMetadata.build(query_lens, starts, pages, PAGE, torch.device("cpu"),
-                                   tree_masks=[None, None, tree, None, None])
-    assert len(meta.groups) == 3  # the short rows together, each prefill chunk alone
+                                   tree_masks=[None, None, None, tree, None, None])
+    assert len(meta.groups) == 3  # the short rows, the two 40-token chunks, the 23-token chunk
     q = torch.randn(sum(query_lens), HEADS, DIM, generator=g)
     new_k = torch.cat([k[s:] for (k, _), s in zip(contexts, starts)])
     new_v = torch.cat([v[s:] for (_, v), s in zip(contexts, starts)])
     out = paged_attention(q, new_k, new_v, cache, meta, DIM ** -0.5)
     row = 0
     for b, ((n, start), (k, v)) in enumerate(zip(seqs, contexts)):
-        expected = _dense_reference(q[row:row + n], k, v, start, tree if b == 2 else None)
+        expected = _dense_reference(q[row:row + n], k, v, start, tree if b == 3 else None)
         torch.testing.assert_close(out[row:row + n], expected, rtol=1e-5, atol=1e-5)
         row += n
 

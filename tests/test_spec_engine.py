@@ -313,19 +313,25 @@ def test_the_embedded_default_model_speculates_with_the_bundled_head_by_default(
     from specserve import draft_heads
     from specserve.cli import build_parser, engine_config
 
-    def spec_of(*argv):
-        return engine_config(build_parser().parse_args(["serve", *argv])).spec
+    head = str(draft_heads.SMOLLM2_HEAD)
+
+    def spec_of(*argv, command="serve"):
+        args = build_parser().parse_args([command, "--device", "cpu", *argv])
+        return engine_config(args, bundled_head=command in ("serve", "generate")).spec
 
     default = spec_of()
-    assert default.algorithm == "EAGLE3" and default.draft_model_path == str(draft_heads.SMOLLM2_HEAD)
-    assert (default.num_steps, default.eagle_topk) == (draft_heads.SMOLLM2_DEFAULT_STEPS,
-                                                        draft_heads.SMOLLM2_DEFAULT_TOPK)
+    assert default == SpecConfig("EAGLE3", head, draft_heads.SMOLLM2_DEFAULT_STEPS, draft_heads.SMOLLM2_DEFAULT_TOPK)
     assert spec_of("--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
-                   "--speculative-num-draft-tokens", "16") == SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD),
-                                                                        5, 4, 16)
+                   "--speculative-num-draft-tokens", "16") == SpecConfig("EAGLE3", head, 5, 4, 16)
+    assert spec_of("--speculative-algorithm", "EAGLE3", command="bench") == default  # the head is found
+    assert spec_of(command="bench").algorithm is None  # benchmarks measure what their flags ask for
     assert spec_of("--speculative-algorithm", "NONE").algorithm is None
     assert spec_of("--model-path", "some-model").algorithm is None  # no head is known for other models
     assert spec_of("--load-format", "dummy").algorithm is None
+    with pytest.raises(ValueError, match="at least 1"):
+        spec_of("--speculative-num-steps", "0")
+    gpu = build_parser().parse_args(["serve", "--device", "cuda"])
+    assert engine_config(gpu, bundled_head=True).spec.algorithm is None  # eager drafting would cost there
 
 
 @pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 3, None), (4, 5, 16)])

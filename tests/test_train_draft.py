@@ -151,6 +151,7 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
     losses = [h["loss"] for h in report["history"]]
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10, losses
     assert (out / "checkpoint.pt").exists() and (out / "model.safetensors").exists()
+    assert (out / "data" / "complete").exists()  # a rerun trains on this data instead of regenerating it
 
     from specserve.config import SpecConfig
     from specserve.llm import LLM
@@ -172,7 +173,7 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(report_path.read_text())["results"]
-    assert [r["output_tokens"] for r in rows] == [rows[0]["output_tokens"]] * 3
+    assert [r["output_sha256"] for r in rows] == [rows[0]["output_sha256"]] * 3
     assert rows[0]["mean_acceptance_length"] is None
     assert all(1.0 <= r["mean_acceptance_length"] <= 4.0 for r in rows[1:])
 
@@ -180,26 +181,34 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
 def test_time_budget_fixes_the_schedule_at_the_end_of_warm_up_and_stopping_resumes(tmp_path):
     """--train-minutes sets the step count from the warm-up speed; --stop-after-minutes checkpoints and exits,
     and a resumed run keeps the step count the first run settled on."""
-    from specserve.train.trainer import TrainConfig, Trainer, new_head
+    from specserve.train.trainer import TrainConfig, Trainer, lr_at, new_head
 
     torch.manual_seed(0)
     target, samples = _Target().requires_grad_(False), _fake_samples(10, 0)
     cfg = TrainConfig(steps=10**6, batch_size=2, lr=1e-3, warmup_steps=6, ttt_steps=2, checkpoint_every=1000,
                       minutes=0.02)
-    first = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
+
+    def trainer() -> Trainer:
+        t = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
+        ticks = iter(range(10**6))
+        t.clock = lambda: next(ticks) * 0.01  # every step measures 10 ms between its two reads
+        return t
+
+    first = trainer()
     assert first.train(progress=False, stop_at=0.0) is False  # stops after its first step
     assert first.step == 1 and (tmp_path / "checkpoint.pt").exists()
-    second = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
+    second = trainer()
     assert second.resume() and second.cfg.steps == 10**6  # not settled yet: still in warm-up
     assert second.train(progress=False) is True
-    settled = second.cfg.steps
-    assert 6 < settled < 10**6
-    third = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
-    assert third.resume() and third.cfg.steps == settled and third.step == second.step
-    # The lr schedule is the one of a plain run of `settled` steps.
-    plain = replace(cfg, steps=settled, minutes=None)
-    from specserve.train.trainer import lr_at
-    assert [h["lr"] for h in second.history] == [lr_at(i, plain) for i in range(len(second.history))]
+    # 1.2 s at 10 ms a step, 60 ms of it spent by the end of warm-up: 6 + 114 steps.
+    assert second.cfg.steps == 120 and second.step == 120
+    assert second.train_seconds == pytest.approx(1.2)
+    third = trainer()
+    assert third.resume() and third.cfg.steps == 120 and third.step == 120
+    plain = replace(cfg, steps=120, minutes=None)  # the lr schedule of a plain 120-step run
+    assert [h["lr"] for h in second.history] == [lr_at(i, plain) for i in range(120)]
+    with pytest.raises(ValueError, match="warm-up"):
+        replace(cfg, warmup_steps=2)
 
 
 def test_engine_acceptance_equals_the_training_walk(smollm2_dir, tmp_path):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 
 # Sequences with at most this many queries (decode steps and verified draft trees) share one padded SDPA call;
-# each longer one (a prefill chunk) gets its own, so it does not pad every decode row to its length.
+# longer ones (prefill chunks) are padded only with chunks of similar size, not with every decode row.
 SHORT_QUERY = 16
 
 
@@ -57,7 +57,9 @@ class AttentionMetadata:
         for q in query_lens:
             first_token.append(first_token[-1] + q)
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
-        parts = ([short] if short else []) + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY]
+        long = [b for b, q in enumerate(query_lens) if q > SHORT_QUERY]
+        kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
+        parts = ([short] if short else []) + _similar_runs(long, query_lens, kv_lens)
         if len(parts) == 1:
             group, slot_mapping = _padded_group(query_lens, start_positions, page_tables, page_size, trees, device)
             return cls(slot_mapping=slot_mapping.to(device), groups=(group,))
@@ -91,6 +93,18 @@ class AttentionMetadata:
         group = QueryGroup(kv_slots=slots.to(device), mask=mask.unsqueeze(1).to(device),
                            query_rows=query_rows.to(device) if max_q > 1 else None, max_q=max_q)
         return cls(slot_mapping=slot_mapping.to(device), groups=(group,))
+
+
+def _similar_runs(members: list[int], query_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Long chunks of similar size share a call: padding stays under a quarter of each dimension."""
+    runs: list[list[int]] = []
+    for b in sorted(members, key=lambda b: (-query_lens[b], -kv_lens[b])):
+        head = runs[-1][0] if runs else None
+        if head is not None and 4 * query_lens[b] >= 3 * query_lens[head] and 4 * kv_lens[b] >= 3 * kv_lens[head]:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
 
 
 def _padded_group(query_lens: list[int], start_positions: list[int], page_tables: list[list[int]],

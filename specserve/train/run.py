@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import time
 from dataclasses import replace
@@ -35,7 +36,9 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     taps = default_target_layers(model.config.num_layers)
     data_dir = out / "data"
     shards = sorted(data_dir.glob("shard-*.safetensors"))
-    if not shards:  # generated once; a resumed run reuses it
+    if not (data_dir / "complete").exists():  # generated once, in full; a resumed run reuses it
+        for partial in shards:  # left by a run stopped while generating
+            partial.unlink()
         prompts = [_chat_ids(llm, p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
         # Training sees max_len tokens of a sample, so a prompt that leaves no room for its answer is useless.
         prompts = [p for p in prompts if len(p) + args.max_tokens <= args.max_len]
@@ -43,6 +46,7 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
             raise ValueError(f"every prompt is longer than --max-len {args.max_len} minus --max-tokens")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         shards = generate(llm, prompts, taps, params, data_dir, shard_size=args.gen_batch)
+        (data_dir / "complete").write_text(f"{len(shards)} shards\n")
     samples = read_shards(shards)
     generated_at = time.time()
     vocab = model.config.vocab_size
@@ -102,6 +106,7 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
     for label, spec in settings:
         llm = LLM(config=replace(engine_config, spec=spec))
         tokens, seconds, steps, accepted = 0, 0.0, 0, 0
+        digest = hashlib.sha256()  # of every answer's token ids, so settings can be compared exactly
         for first in range(0, len(conversations), args.concurrency):
             group = conversations[first:first + args.concurrency]
             histories = [[] for _ in group]
@@ -115,9 +120,11 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
                 seconds += time.perf_counter() - t0
                 for i, out in zip(active, outs):
                     tokens += len(out.token_ids)
+                    digest.update(str(out.token_ids).encode())
                     steps, accepted = steps + out.num_spec_steps, accepted + out.num_accepted_tokens
                     histories[i].append({"role": "assistant", "content": out.text})
         rows.append({"setting": label, "tok_s": tokens / seconds, "output_tokens": tokens,
+                     "output_sha256": digest.hexdigest()[:16],
                      "mean_acceptance_length": (accepted + steps) / steps if steps else None})
         print(rows[-1], flush=True)
     for row in rows:

@@ -34,6 +34,10 @@ class TrainConfig:
     # whole run takes about this many minutes at the speed measured during warm-up.
     minutes: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.minutes is not None and self.warmup_steps < 5:
+            raise ValueError("a time-budgeted run measures its speed during warm-up: use at least 5 warm-up steps")
+
 
 def new_head(target: torch.nn.Module, draft_ids: torch.Tensor, max_positions: int, seed: int) -> Eagle3Head:
     """A head shaped like one target layer, drafting over `draft_ids`; its output layers start from the
@@ -87,6 +91,7 @@ class Trainer:
         self.samples = samples
         self.step = 0
         self.train_seconds = 0.0  # summed over resumed runs
+        self.clock = time.perf_counter  # replaceable, so a test can fix the measured speed
         self.history: list[dict] = []
 
     # -- checkpoints ---------------------------------------------------------
@@ -135,15 +140,13 @@ class Trainer:
     def train(self, progress: bool = True, stop_at: float | None = None) -> bool:
         """Trains to the end of the schedule, checkpointing on the way. With `stop_at` (a time.time() value),
         it checkpoints and returns False once that time passes; running again resumes."""
-        if self.cfg.minutes is not None and self.cfg.warmup_steps < 5:
-            raise ValueError("a time-budgeted run measures its speed during warm-up: use at least 5 warm-up steps")
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _nothing()
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="training draft head", disable=not progress)
         first_step, warm_clock = self.step, None
         while self.step < self.cfg.steps:
-            started = time.perf_counter()
+            started = self.clock()
             record = self._train_step(autocast)
-            self.train_seconds += time.perf_counter() - started
+            self.train_seconds += self.clock() - started
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in record["accuracy"][:4]))
             bar.update(1)
             if self.step == first_step + 2:  # the first steps pay for allocation and kernel selection
@@ -151,10 +154,10 @@ class Trainer:
             if self.step == self.cfg.warmup_steps and self.cfg.minutes is not None:
                 self._fix_schedule_length(warm_clock)
                 bar.total = self.cfg.steps
-            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+            stopping = stop_at is not None and time.time() > stop_at and self.step < self.cfg.steps
+            if stopping or self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                 self.save_checkpoint()
-            if stop_at is not None and time.time() > stop_at and self.step < self.cfg.steps:
-                self.save_checkpoint()
+            if stopping:
                 bar.close()
                 return False
         bar.close()
@@ -179,7 +182,7 @@ class Trainer:
         seconds, step = warm_clock if warm_clock and warm_clock[1] < self.step else (0.0, 0)
         per_step = (self.train_seconds - seconds) / max(1, self.step - step)
         left = self.cfg.minutes * 60 - self.train_seconds
-        self.cfg = replace(self.cfg, steps=self.step + max(1, int(left / per_step)))
+        self.cfg = replace(self.cfg, steps=self.step + max(1, round(left / per_step)))
 
 
 def _samples_on_gpu(samples: list[Sample], device: torch.device) -> list[Sample]:
