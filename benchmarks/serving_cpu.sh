@@ -27,7 +27,7 @@ run() {  # run LABEL [serve flags...]
   kill "$pid"; wait "$pid" || true
 }
 
-run no-spec
+run no-spec --speculative-algorithm NONE
 run eagle3-sim-tau3 --speculative-algorithm EAGLE3 --speculative-draft-model-path "$HEAD_DIR" \
   --speculative-num-steps 3 --speculative-simulate-accept-len 3.0
 specserve bench --compare "$OUT/serving_cpu_no-spec.jsonl" "$OUT/serving_cpu_eagle3-sim-tau3.jsonl" \
