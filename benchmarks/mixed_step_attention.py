@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 
+from specserve.bench.decode import hardware_info
 from specserve.layers import attention
 from specserve.layers.attention import AttentionMetadata, paged_attention
 
@@ -59,8 +59,7 @@ def main() -> None:
     for r in results:
         print(f"{r['decode_rows']} decode rows (context {r['context']}) + a {r['prefill_chunk']}-token chunk: "
               f"one padded call {r['one_padded_call_ms']:.1f} ms, split {r['split_calls_ms']:.1f} ms per layer")
-    report = {"benchmark": "mixed_step_attention", "hardware": {"cpu": platform.processor() or platform.machine(),
-              "torch_threads": torch.get_num_threads(), "torch": torch.__version__}, "results": results}
+    report = {"benchmark": "mixed_step_attention", "hardware": hardware_info(), "results": results}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -70,7 +70,7 @@ def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecCon
     algorithm, head = args.speculative_algorithm, args.speculative_draft_model_path
     steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
     embedded = args.model_path is None and args.load_format != "dummy"
-    if algorithm is None and bundled_head and embedded and _runs_on_cpu(args.device):
+    if algorithm is None and bundled_head and embedded and _runs_on_cpu(args):
         algorithm = "EAGLE3"
     if algorithm in (None, "NONE"):
         return SpecConfig()
@@ -82,10 +82,10 @@ def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecCon
                       args.speculative_num_draft_tokens, args.speculative_simulate_accept_len)
 
 
-def _runs_on_cpu(device: str) -> bool:
-    import torch
+def _runs_on_cpu(args: argparse.Namespace) -> bool:
+    from specserve.engine.factory import pick_device
 
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return pick_device(EngineConfig(device=args.device)).type == "cpu"
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -274,14 +274,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(config=engine_config(args, bundled_head=True), progress=True)
     prompts = args.prompts
     if args.chat:
-        prompts = [
-            llm.tokenizer.encode(
-                llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                  tokenize=False),
-                add_special_tokens=False,
-            )
-            for p in prompts
-        ]
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     for out in llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)):
         print(out.text)
     return 0

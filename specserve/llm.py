@@ -40,6 +40,11 @@ class LLM:
             self.step_and_track(trackers)
         return [t.output for t in trackers]
 
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for the answer."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def add(self, prompt: str | Sequence[int], params: SamplingParams) -> OutputTracker:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = str(next(self._ids))

@@ -228,8 +228,7 @@ def test_engine_acceptance_equals_the_training_walk(smollm2_dir, tmp_path):
     model = llm.engine.runner.model
     head = load_eagle3_head(head_dir, model.config, torch.float32, torch.device("cpu"), 2048)
     messages = [{"role": "user", "content": "List three uses of copper and explain each briefly."}]
-    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                    tokenize=False), add_special_tokens=False)
+    prompt = llm.chat_prompt(messages)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     spec_output = LLM(model=str(smollm2_dir), max_total_tokens=2048,
                       spec=SpecConfig("EAGLE3", str(head_dir), 3)).generate([prompt], params)[0]

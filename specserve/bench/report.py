@@ -42,8 +42,6 @@ class RequestResult:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
-
-
 def distribution(values: list[float]) -> dict[str, float | None]:
     """Mean and percentiles in milliseconds (None when there is nothing to measure)."""
     if not values:

@@ -182,8 +182,7 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
 def _tokenize(llm, prompt: BenchPrompt) -> list[int]:
     if prompt.token_ids is not None:
         return prompt.token_ids
-    text = llm.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
-    return llm.tokenizer.encode(text, add_special_tokens=False)
+    return llm.chat_prompt(prompt.messages)
 
 
 def _offline_wave(llm, token_prompts, prompts, concurrency: int, args, warmup: bool = False):

@@ -4,10 +4,11 @@ The KV pool of one layer is a tensor [2, num_slots, kv_heads, head_dim]; slot = 
 Each step writes the new keys/values to their slots, then gathers every sequence's context into a padded
 batch and runs SDPA with a mask that is causal within the step and open to everything before it. One token
 per sequence and sixteen per sequence go through the same code. A step that mixes decode rows with prefill
-chunks runs one SDPA call for the short rows and one per chunk, so padding stays bounded.
+chunks runs one SDPA call for the short rows and one per run of similar-sized chunks, so padding stays bounded.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,9 +54,6 @@ class AttentionMetadata:
         """`tree_masks[b]`, if given, is a [q, q] ancestor mask replacing causality among sequence b's step
         tokens (a draft tree stored parents-first, one slot per node)."""
         trees = list(tree_masks or []) + [None] * (len(query_lens) - len(tree_masks or []))
-        first_token = [0]
-        for q in query_lens:
-            first_token.append(first_token[-1] + q)
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
         long = [b for b, q in enumerate(query_lens) if q > SHORT_QUERY]
         kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
@@ -63,6 +61,7 @@ class AttentionMetadata:
         if len(parts) == 1:
             group, slot_mapping = _padded_group(query_lens, start_positions, page_tables, page_size, trees, device)
             return cls(slot_mapping=slot_mapping.to(device), groups=(group,))
+        first_token = [0, *itertools.accumulate(query_lens)]
         groups, slot_mapping = [], torch.empty(first_token[-1], dtype=torch.long)
         for members in parts:
             group, slots = _padded_group([query_lens[b] for b in members], [start_positions[b] for b in members],

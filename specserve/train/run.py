@@ -20,11 +20,6 @@ from specserve.train.datagen import draft_vocabulary, generate, read_shards
 from specserve.train.trainer import TrainConfig, Trainer, new_head
 
 
-def _chat_ids(llm, messages: list[dict]) -> list[int]:
-    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return llm.tokenizer.encode(text, add_special_tokens=False)
-
-
 def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
     from specserve.llm import LLM
 
@@ -39,7 +34,7 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     if not (data_dir / "complete").exists():  # generated once, in full; a resumed run reuses it
         for partial in shards:  # left by a run stopped while generating
             partial.unlink()
-        prompts = [_chat_ids(llm, p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
+        prompts = [llm.chat_prompt(p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
         # Training sees max_len tokens of a sample, so a prompt that leaves no room for its answer is useless.
         prompts = [p for p in prompts if len(p) + args.max_tokens <= args.max_len]
         if not prompts:
@@ -102,6 +97,7 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
                 (f"chain {args.chain_steps}", SpecConfig("EAGLE3", args.draft, args.chain_steps)),
                 (f"tree topk {args.tree[0]} steps {args.tree[1]} tokens {args.tree[2]}",
                  SpecConfig("EAGLE3", args.draft, args.tree[1], args.tree[0], args.tree[2]))]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
     for label, spec in settings:
         llm = LLM(config=replace(engine_config, spec=spec))
@@ -114,9 +110,8 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
                 active = [i for i, turns in enumerate(group) if turn < len(turns)]
                 for i in active:
                     histories[i].append({"role": "user", "content": group[i][turn]})
-                params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
                 t0 = time.perf_counter()
-                outs = llm.generate([_chat_ids(llm, histories[i]) for i in active], params)
+                outs = llm.generate([llm.chat_prompt(histories[i]) for i in active], params)
                 seconds += time.perf_counter() - t0
                 for i, out in zip(active, outs):
                     tokens += len(out.token_ids)
