@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run every GPU step eagerly")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured in a graph")
+    g.add_argument("--disable-overlap", "--disable-overlap-schedule", dest="disable_overlap", action="store_true",
+                   help="read each GPU step back before preparing the next")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "DRAFT_MODEL", "NONE"],
                    help="default: EAGLE3 with the bundled head for the embedded default model, else none")
@@ -55,6 +57,7 @@ def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> Engin
         cache_dir=args.cache_dir,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_overlap=args.disable_overlap,
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
         spec=spec_config(args, bundled_head),

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.triton_attention import num_splits
 
@@ -96,8 +97,11 @@ class DecodeGraphs:
     def fits(self, batch_size: int, context_len: int) -> bool:
         return batch_size <= self.max_bs and context_len <= self.context_lens[-1]
 
-    def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
-        """Logits [B, V] for one decode token per sequence; position p's KV goes to its page-table slot."""
+    def run(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]],
+            futures: FutureTokens | None = None) -> torch.Tensor:
+        """Logits [B, V] for one decode token per sequence; position p's KV goes to its page-table slot.
+        Placeholder ids are resolved from `futures` on the device. Inputs travel through pinned memory, so
+        the host queues this step behind one still running instead of waiting for it."""
         b = len(token_ids)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         n = self.context_lens[bisect.bisect_left(self.context_lens, max(positions) + 1)]
@@ -107,14 +111,18 @@ class DecodeGraphs:
         for row, pages in enumerate(page_tables):
             table[row, : min(len(pages), width)] = pages[:width]
         slots = [p[pos // ps] * ps + pos % ps for p, pos in zip(page_tables, positions)]
-        host = np.array([token_ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad,
-                         [p + 1 for p in positions] + [1] * pad], dtype=np.int64)
-        host = torch.from_numpy(host)
+        # Dtypes match the device buffers: a converting copy would stage through pageable memory.
+        host = np.array([token_ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad],
+                        dtype=np.int64)
+        host = torch.from_numpy(host).pin_memory()
+        lens = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32).pin_memory()
         self.input_ids[:bs].copy_(host[0], non_blocking=True)
         self.positions[:bs].copy_(host[1], non_blocking=True)
         self.slot_mapping[:bs].copy_(host[2], non_blocking=True)
-        self.seq_lens[:bs].copy_(host[3], non_blocking=True)
-        self.tables[n][:bs].copy_(torch.from_numpy(table), non_blocking=True)
+        self.seq_lens[:bs].copy_(lens, non_blocking=True)
+        self.tables[n][:bs].copy_(torch.from_numpy(table).pin_memory(), non_blocking=True)
+        if futures is not None and has_placeholder(token_ids):
+            futures.resolve(self.input_ids[:bs])
         self.graphs[(bs, n)].replay()
         self.num_replays += 1
         return self.logits[(bs, n)][:b]

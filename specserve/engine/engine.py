@@ -1,10 +1,17 @@
-"""The engine core: one step is schedule -> run -> postprocess."""
+"""The engine core: one step is schedule -> run -> postprocess.
+
+With overlap on, a step is launched before the previous one is read back: schedule N+1, launch N+1, then read
+N's tokens and postprocess them while the device runs N+1. A decoding request's input for N+1 is then a
+placeholder for the token N is still sampling (engine/futures.py). The price: a request that finishes at N
+has already been given one more token of work at N+1, which is dropped.
+"""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from specserve.engine.futures import has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.engine.request import FinishReason, Request
 from specserve.engine.scheduler import Scheduler, StepBatch
@@ -16,6 +23,10 @@ log = logging.getLogger(__name__)
 class Runner(Protocol):
     def execute(self, batch: StepBatch) -> list[list[int]]:
         """New tokens for each sequence that samples: accepted drafts, then one sampled (bonus) token."""
+        ...
+
+    def launch(self, batch: StepBatch, publish: bool = False):
+        """Queues a step without drafts; returns a StepOutput whose tokens are read back later."""
         ...
 
 
@@ -44,12 +55,25 @@ class EngineStats:
     num_preemptions: int
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step not yet read back: its output and, per sampling sequence, the request and the index
+    of the placeholder its token will replace."""
+
+    output: object  # runner.StepOutput
+    placeholders: list[tuple[Request, int]]
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Runner, eos_token_ids: tuple[int, ...],
+                 overlap: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.timer = NoTimer()
+        # Overlap needs every step's inputs to be known before the previous step's tokens are: no drafting.
+        self.overlap = overlap and getattr(runner, "proposer", None) is None
+        self.in_flight: _InFlight | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -67,17 +91,22 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> list[TokenDelta]:
         aborted = [self.scheduler.abort(rid) for rid in request_ids]
+        for request in aborted:
+            while request is not None and has_placeholder(request.token_ids[-1:]):
+                request.token_ids.pop()  # the token of a step in flight, never to be read
         return [_delta(r, []) for r in aborted if r is not None]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def step(self) -> list[TokenDelta]:
         with self.timer.phase("schedule"):
             batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return self._read_back()
         self.timer.steps += 1
+        if self.overlap:
+            return self._step_overlapped(batch)
         try:
             sampled = self.runner.execute(batch)
         except Exception:
@@ -87,8 +116,56 @@ class EngineCore:
             return self._postprocess(batch, sampled)
 
     def time_phases(self, timer) -> None:
-        """Times each step's phases into `timer` (a PhaseTimer), runner phases included."""
+        """Times each step's phases into `timer` (a PhaseTimer), runner phases included. With overlap the
+        timer must not synchronise (that would serialise host and device), so "wait" is the host's idle time."""
+        if self.overlap:
+            timer.sync = False
         self.timer = self.runner.timer = timer
+
+    # -- overlap ----------------------------------------------------------
+    def _step_overlapped(self, batch: StepBatch) -> list[TokenDelta]:
+        try:
+            launched = self._launch(batch)
+        except Exception:
+            log.exception("step failed; retrying its requests one by one")
+            deltas = self._read_back()
+            return deltas + self._step_each_alone(batch)
+        deltas = self._read_back()
+        self.in_flight = launched
+        return deltas
+
+    def _launch(self, batch: StepBatch) -> _InFlight:
+        """Queues the step and advances its requests as if it were done, with a placeholder per new token."""
+        output = self.runner.launch(batch, publish=True)
+        placeholders = iter(output.placeholders)
+        pending = []
+        for seq in batch.seqs:
+            request = self.scheduler.requests[seq.request_id]
+            request.num_computed_tokens += len(seq.token_ids)
+            if seq.sample:
+                request.token_ids.append(next(placeholders))
+                pending.append((request, request.num_tokens - 1))
+        return _InFlight(output, pending)
+
+    def _read_back(self) -> list[TokenDelta]:
+        """Reads the step in flight back and replaces its placeholders; stop conditions apply as usual."""
+        if self.in_flight is None:
+            return []
+        flight, self.in_flight = self.in_flight, None
+        with self.timer.phase("wait"):
+            sampled = flight.output.tokens()
+        deltas = []
+        with self.timer.phase("postprocess"):
+            for (request, index), (token,) in zip(flight.placeholders, sampled):
+                if request.finished:
+                    continue  # finished or aborted after this step was launched: its token is dropped
+                request.token_ids[index] = token
+                reason = self._finish_reason(request, token, index + 1)
+                if reason is not None:
+                    del request.token_ids[index + 1:]  # the placeholder of a step launched since
+                    self.scheduler.finish(request, reason)
+                deltas.append(_delta(request, [token]))
+        return deltas
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -124,7 +201,7 @@ class EngineCore:
         """Stop conditions apply inside an accepted run: nothing after a stop is ever emitted."""
         for i, token in enumerate(tokens):
             request.token_ids.append(token)
-            reason = self._finish_reason(request, token)
+            reason = self._finish_reason(request, token, request.num_tokens)
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 return tokens[: i + 1]
@@ -134,6 +211,8 @@ class EngineCore:
         # A failure is pinned to the request that causes it; the others carry on as if nothing happened.
         deltas = []
         for seq in batch.seqs:
+            if seq.request_id not in self.scheduler.requests:
+                continue  # finished while the step was read back
             alone = StepBatch([seq], batch.page_size)
             try:
                 sampled = self.runner.execute(alone)
@@ -146,11 +225,13 @@ class EngineCore:
             deltas.extend(self._postprocess(alone, sampled))
         return deltas
 
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+    def _finish_reason(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
+        """Whether `token`, the request's `num_tokens`-th, ends it (counted by position: with overlap, a
+        placeholder may already follow it)."""
         params = request.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -126,7 +126,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
     scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
                           config.spec.max_drafts)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
-    runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed)
+    runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed,
+                         config.scheduler.max_running_requests)
     if use_graphs:
         from specserve.engine.cuda_graphs import DecodeGraphs
 
@@ -135,7 +136,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
         max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
         runner.graphs = DecodeGraphs(model, kv_cache, num_pages * page_size, max_bs, max_model_len, page_size,
                                      progress, proposer)
-    return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos))), resolved
+    # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
+    overlap = device.type == "cuda" and not config.disable_overlap
+    return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap), resolved
 
 
 def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, device, max_model_len: int,

@@ -7,21 +7,41 @@ import random
 import torch
 
 from specserve.config import CacheConfig, ModelConfig
+from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.sampler import sample
 from specserve.spec.simulate import simulated_verdict
 from specserve.spec.verify import Verdict, verify
+from specserve.transfer import tensor_on, to_device
+
+
+class StepOutput:
+    """A step's new tokens per sampling sequence. A plain step leaves them on the device until asked, so the
+    host can prepare the next step meanwhile; `placeholders` name them for that next step (engine/futures.py)."""
+
+    def __init__(self, ready: list[list[int]] | None = None, device_tokens: torch.Tensor | None = None,
+                 placeholders: list[int] | None = None) -> None:
+        self._ready = ready
+        self._device_tokens = device_tokens
+        self.placeholders = placeholders
+
+    def tokens(self) -> list[list[int]]:
+        """Reads the tokens back: the step's one host-device synchronisation."""
+        if self._ready is None:
+            self._ready = [[t] for t in self._device_tokens.tolist()]
+        return self._ready
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device, proposer=None,
-                 simulate_accept_len: float | None = None, seed: int = 0) -> None:
+                 simulate_accept_len: float | None = None, seed: int = 0, max_seqs: int = 256) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.proposer = proposer
+        self.futures = FutureTokens(max_seqs, device)
         # Speed studies only: replaces verification's verdict (spec/simulate.py).
         self.simulate_accept_len = simulate_accept_len
         self._simulation_rng = random.Random(seed)
@@ -30,19 +50,23 @@ class ModelRunner:
         # Training-data capture (specserve.train.datagen): sees every computed token's taps and hidden state.
         self.recorder = None
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> list[list[int]]:
         """Runs the step; for each sequence that samples, returns its accepted drafts plus one new token."""
+        return self.launch(batch).tokens()
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, publish: bool = False) -> StepOutput:
+        """Queues the step on the device. A step without drafts returns before its tokens are read back;
+        with `publish`, it also stores them as futures that the next step's inputs may name."""
         seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
         if not trees and self.recorder is None and self._graph_fits(seqs):
             with self.timer.phase("forward"):
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
-                                         [s.page_ids for s in seqs])
+                                         [s.page_ids for s in seqs], self.futures)
             with self.timer.phase("sample"):
-                return self._choose(seqs, trees, logits.float(), [(i, i, 1) for i in range(len(seqs))],
-                                    batch.page_size)
+                return self._sample_plain(seqs, logits.float(), publish)
         with self.timer.phase("prepare"):
             input_ids, positions, meta, token_lists = self._prepare(batch, trees)
         with self.timer.phase("forward"):
@@ -64,9 +88,16 @@ class ModelRunner:
                     spans.append((i, len(rows), width))
                     rows.extend(range(ends[i] - width, ends[i]))
             if not rows:
-                return []
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-            return self._choose(seqs, trees, logits, spans, batch.page_size)
+                return StepOutput(ready=[])
+            logits = self.model.compute_logits(hidden[tensor_on(rows, self.device)]).float()
+            if not trees:
+                return self._sample_plain([seqs[i] for i, _, _ in spans], logits, publish)
+            return StepOutput(ready=self._choose(seqs, trees, logits, spans, batch.page_size))
+
+    def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool) -> StepOutput:
+        """One token per sequence, sampled without leaving the device."""
+        tokens = sample(logits, [s.params for s in seqs], [s.sample_seed for s in seqs])
+        return StepOutput(device_tokens=tokens, placeholders=self.futures.publish(tokens) if publish else None)
 
     def _graph_fits(self, seqs) -> bool:
         """A plain decode step (one sampled token per sequence) that a captured graph covers."""
@@ -79,12 +110,15 @@ class ModelRunner:
         # at position root + depth and attending to its ancestors only.
         seqs = batch.seqs
         token_lists = [trees[i].tokens if i in trees else s.token_ids for i, s in enumerate(seqs)]
-        positions = torch.cat([
+        positions = to_device(torch.cat([
             torch.tensor(trees[i].depths()) + s.start_pos if i in trees
             else torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
             for i, s in enumerate(seqs)
-        ]).to(self.device)
-        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.device)
+        ]), self.device)
+        flat_ids = [t for tokens in token_lists for t in tokens]
+        input_ids = tensor_on(flat_ids, self.device)
+        if has_placeholder(flat_ids):
+            self.futures.resolve(input_ids)
         meta = AttentionMetadata.build(
             [len(t) for t in token_lists], [s.start_pos for s in seqs], [s.page_ids for s in seqs],
             batch.page_size, self.device,

@@ -113,6 +113,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._awaits_last_token(request):
+                index += 1
+                continue
             count = min(request.num_uncomputed_tokens, budget)
             drafts = self._num_drafts(request, count, budget)
             if not self._make_room(request, count + drafts):
@@ -135,6 +138,10 @@ class Scheduler:
             scheduled.append((request, count, 0))
             budget -= count
         return StepBatch([self._describe(r, n, d) for r, n, d in scheduled], self.allocator.page_size)
+
+    def _awaits_last_token(self, request: Request) -> bool:
+        """With overlap, a request whose last allowed token is still being sampled needs no more steps."""
+        return request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
 
     def _num_drafts(self, request: Request, count: int, budget: int) -> int:
         """Draft only when decoding, and never past max_tokens, the context or the step's budget."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from specserve.transfer import to_device
+
 
 # Sequences with at most this many queries (decode steps and verified draft trees) share one padded SDPA call;
 # longer ones (prefill chunks) are padded only with chunks of similar size, not with every decode row.
@@ -60,7 +62,7 @@ class AttentionMetadata:
         parts = ([short] if short else []) + _similar_runs(long, query_lens, kv_lens)
         if len(parts) == 1:
             group, slot_mapping = _padded_group(query_lens, start_positions, page_tables, page_size, trees, device)
-            return cls(slot_mapping=slot_mapping.to(device), groups=(group,))
+            return cls(slot_mapping=to_device(slot_mapping, device), groups=(group,))
         first_token = [0, *itertools.accumulate(query_lens)]
         groups, slot_mapping = [], torch.empty(first_token[-1], dtype=torch.long)
         for members in parts:
@@ -69,8 +71,8 @@ class AttentionMetadata:
                                          [trees[b] for b in members], device)
             tokens = torch.cat([torch.arange(first_token[b], first_token[b + 1]) for b in members])
             slot_mapping[tokens] = slots
-            groups.append(replace(group, tokens=tokens.to(device)))
-        return cls(slot_mapping=slot_mapping.to(device), groups=tuple(groups))
+            groups.append(replace(group, tokens=to_device(tokens, device)))
+        return cls(slot_mapping=to_device(slot_mapping, device), groups=tuple(groups))
 
     @classmethod
     def from_slots(
@@ -89,9 +91,9 @@ class AttentionMetadata:
             mask[b, : m.shape[0], : len(row)] = m
         slot_mapping = torch.cat([row[len(row) - q:] for row, q in zip(kv_slots, query_lens)])
         query_rows = torch.cat([torch.arange(q) + b * max_q for b, q in enumerate(query_lens)])
-        group = QueryGroup(kv_slots=slots.to(device), mask=mask.unsqueeze(1).to(device),
-                           query_rows=query_rows.to(device) if max_q > 1 else None, max_q=max_q)
-        return cls(slot_mapping=slot_mapping.to(device), groups=(group,))
+        group = QueryGroup(kv_slots=to_device(slots, device), mask=to_device(mask.unsqueeze(1), device),
+                           query_rows=to_device(query_rows, device) if max_q > 1 else None, max_q=max_q)
+        return cls(slot_mapping=to_device(slot_mapping, device), groups=(group,))
 
 
 def _similar_runs(members: list[int], query_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
@@ -136,8 +138,9 @@ def _padded_group(query_lens: list[int], start_positions: list[int], page_tables
     slots = kv_slots[seq_index, flat_pos]  # [T_g] in sequence order
     query_rows = None
     if max_q > 1:
-        query_rows = (seq_index * max_q + (flat_pos - starts[seq_index])).to(device)
-    group = QueryGroup(kv_slots=kv_slots.to(device), mask=None if mask is None else mask.unsqueeze(1).to(device),
+        query_rows = to_device(seq_index * max_q + (flat_pos - starts[seq_index]), device)
+    group = QueryGroup(kv_slots=to_device(kv_slots, device),
+                       mask=None if mask is None else to_device(mask.unsqueeze(1), device),
                        query_rows=query_rows, max_q=max_q)
     return group, slots
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from specserve.sampling_params import SamplingParams
+from specserve.transfer import tensor_on
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
@@ -19,22 +20,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     probs = filtered_probs(logits, params)
     noise = _exponential_noise(probs, seeds)
     drawn = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    is_greedy = tensor_on([p.greedy for p in params], logits.device)
     return torch.where(is_greedy, greedy, drawn)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from: softmax(logits / T) restricted by top-k, top-p and min-p."""
     device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    temps = tensor_on([p.temperature if p.temperature > 0 else 1.0 for p in params], device)
     probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
     top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
-        probs = _top_k_top_p(probs, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        probs = _top_k_top_p(probs, tensor_on(top_k, device), tensor_on(top_p, device))
     if any(m > 0 for m in min_p):
-        floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        floor = tensor_on(min_p, device)[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 

@@ -1,0 +1,117 @@
+"""Where a GPU step's time goes, kernel by kernel: Llama-3.1-8B shape, random bf16 weights, one GPU.
+
+Times back-to-back CUDA-graph replays of a decode step (no host work in between, so this is the device's
+floor for that step) at a few batch sizes, a prefill chunk run eagerly, and plain bf16 matrix-vector products
+of the model's weight shapes against the copy bandwidth. Prints the top kernels of each under torch.profiler.
+
+    python benchmarks/profile_gpu_step.py --out benchmarks/results/profile_gpu_step_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specserve.bench.decode import hardware_info
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.engine.factory import build_engine_core
+from specserve.layers.attention import AttentionMetadata
+
+
+def cuda_ms(fn, repeats: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def top_kernels(fn, limit: int = 12) -> list[dict]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:90], "calls": event.count, "total_us": round(device_us, 1)})
+    rows.sort(key=lambda r: -r["total_us"])
+    return rows[:limit]
+
+
+def decode_replays(runner, batch: int, context: int, page_size: int) -> dict:
+    pages_per_seq = -(-(context + 1) // page_size)
+    tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]
+    run = lambda: runner.graphs.run([1] * batch, [context] * batch, tables)  # noqa: E731
+    ms = cuda_ms(run, 30)
+    return {"batch": batch, "context": context, "step_ms": round(ms, 3), "tok_s": round(batch * 1e3 / ms, 1),
+            "kernels": top_kernels(run)}
+
+
+def prefill_chunk(model, kv_cache, seqs: int, prompt_len: int, page_size: int) -> dict:
+    pages_per_seq = -(-prompt_len // page_size)
+    tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(seqs)]
+    device = kv_cache.device
+    ids = torch.randint(0, 1000, (seqs * prompt_len,), device=device)
+    positions = torch.arange(prompt_len, device=device).repeat(seqs)
+
+    def run():
+        meta = AttentionMetadata.build([prompt_len] * seqs, [0] * seqs, tables, page_size, device)
+        hidden, _ = model(ids, positions, meta, kv_cache)
+        return model.compute_logits(hidden[-1:])
+
+    with torch.inference_mode():
+        ms = cuda_ms(run, 3)
+        kernels = top_kernels(run)
+    tokens = seqs * prompt_len
+    params = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
+    return {"tokens": tokens, "ms": round(ms, 2), "tok_s": round(tokens * 1e3 / ms),
+            "linear_tflop_s": round(2 * params * tokens / ms / 1e9, 1), "kernels": kernels}
+
+
+def gemv_bandwidth(model) -> list[dict]:
+    layer = model.layers[0]
+    shapes = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
+              "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight,
+              "lm_head": model.lm_head.weight}
+    copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy_gb_s = 2 * copy_src.numel() / cuda_ms(lambda: copy_dst.copy_(copy_src), 20) / 1e6
+    rows = [{"what": "copy 1 GiB", "gb_s": round(copy_gb_s)}]
+    for name, weight in shapes.items():
+        for m in (1, 4, 16):
+            x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device="cuda")
+            ms = cuda_ms(lambda: torch.nn.functional.linear(x, weight), 50)
+            rows.append({"what": f"{name} {tuple(weight.shape)} M={m}", "us": round(ms * 1e3, 1),
+                         "gb_s": round(weight.numel() * weight.element_size() / ms / 1e6)})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--context", type=int, default=640)
+    args = p.parse_args()
+    config = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+                          context_length=2048, cache=CacheConfig(max_total_tokens=300_000),
+                          scheduler=SchedulerConfig(chunked_prefill_size=16384))
+    engine, _ = build_engine_core(config, progress=False)
+    runner, page_size = engine.runner, config.cache.page_size
+    report = {"benchmark": "profile_gpu_step", "hardware": hardware_info(),
+              "model": "llama-3.1-8b shape, dummy bf16 weights", "gemv": gemv_bandwidth(runner.model),
+              "decode": [decode_replays(runner, b, args.context, page_size) for b in args.batch_sizes],
+              "prefill": prefill_chunk(runner.model, runner.kv_cache, 32, 512, page_size)}
+    print(json.dumps(report, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

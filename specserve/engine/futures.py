@@ -1,0 +1,37 @@
+"""Tokens that a step has sampled on the device but the host has not read yet (overlap scheduling).
+
+With overlap, step N+1 is scheduled and launched before step N's tokens are read back, so a decoding request's
+next input is not known on the host. It is written as a placeholder, a negative id naming a slot of a small
+device buffer that step N's sampler fills; the runner swaps placeholders for the real ids on the device, just
+before step N+1's forward, so the host never waits. Two halves of the buffer alternate between steps: a
+placeholder is read back one step after it is written, and the half is not reused until the step after that.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class FutureTokens:
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.values = torch.zeros(2 * capacity, dtype=torch.long, device=device)
+        self._half = 0
+
+    def publish(self, tokens: torch.Tensor) -> list[int]:
+        """Stores a step's sampled tokens [n] on the device; returns their placeholders."""
+        n = tokens.numel()
+        if n > self.capacity:
+            raise ValueError(f"{n} sampled tokens exceed the future buffer's {self.capacity}")
+        base = self._half * self.capacity
+        self.values[base:base + n] = tokens
+        self._half ^= 1
+        return [-(base + i + 1) for i in range(n)]
+
+    def resolve(self, ids: torch.Tensor) -> None:
+        """Replaces placeholders in `ids` (a device tensor) by the tokens they stand for, in place."""
+        slots = (-ids - 1).clamp_(min=0)
+        ids.copy_(torch.where(ids < 0, self.values[slots], ids))
+
+
+def has_placeholder(token_ids) -> bool:
+    return min(token_ids, default=0) < 0

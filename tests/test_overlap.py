@@ -1,0 +1,142 @@
+"""Overlap scheduling: step N+1 is launched before step N is read back, with placeholders for N's tokens.
+
+It is on by default only on a GPU (on a CPU the host computes the step itself, so nothing overlaps); here it
+is forced on, so the bookkeeping is checked where CI runs: outputs, stop conditions, usage counts, aborts,
+failures and pages must be exactly what they are without it.
+"""
+from __future__ import annotations
+
+import pytest
+from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+
+from specserve.engine.factory import build_engine_core
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+
+
+def _engine(config, overlap: bool):
+    engine, _ = build_engine_core(config, progress=False)
+    engine.overlap = overlap
+    return engine
+
+
+def _pages_all_free(engine) -> bool:
+    alloc = engine.scheduler.allocator
+    alloc.check_invariants()
+    return alloc.num_free == alloc.num_pages
+
+
+def test_greedy_with_overlap_matches_transformers_under_preemption(tiny_checkpoint):
+    path = tiny_checkpoint("llama", False)
+    prompts = _prompts(512)
+    engine = _engine(_tight_config(str(path), max_total_tokens=200), overlap=True)
+    ours, _ = run_staggered(engine, prompts)
+    assert ours == _hf_greedy(path, prompts)
+    assert engine.scheduler.num_preemptions > 0
+    assert _pages_all_free(engine) and engine.in_flight is None
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_chat_model):
+    def make(overlap: bool) -> LLM:
+        llm = LLM(model=str(tiny_chat_model), max_total_tokens=2048, page_size=8)
+        llm.engine.overlap = overlap
+        return llm
+    return make(False), make(True)
+
+
+def _run(llm: LLM, prompts, params):
+    outs = llm.generate(prompts, params)
+    return [(o.token_ids, o.finish_reason, o.text) for o in outs]
+
+
+def test_stop_conditions_and_usage_match_the_synchronous_engine(llms):
+    plain, overlapped = llms
+    full = plain.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    stop_token = full.token_ids[5]
+    stop_text = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    cases = [
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True),
+    ]
+    for params in cases:
+        assert _run(overlapped, PROMPTS, params) == _run(plain, PROMPTS, params), params
+        assert _pages_all_free(overlapped.engine) and not overlapped.engine.has_work()
+    overlapped.add(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_token]))
+    deltas = []
+    while overlapped.engine.has_work():
+        deltas += overlapped.engine.step()
+    # Usage counts what was emitted, not the token already computed for the step launched after the stop.
+    assert deltas[-1].num_output_tokens == full.token_ids.index(stop_token) + 1
+
+
+def test_eos_stops_with_overlap(llms):
+    plain, overlapped = llms
+    full = plain.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    overlapped.engine.eos_token_ids = frozenset({full.token_ids[4]})
+    try:
+        out = overlapped.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    finally:
+        overlapped.engine.eos_token_ids = plain.engine.eos_token_ids
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[4]) + 1]
+    assert _pages_all_free(overlapped.engine)
+
+
+def test_abort_with_a_step_in_flight_frees_everything(llms):
+    _, overlapped = llms
+    engine = overlapped.engine
+    tracker = overlapped.add(PROMPTS[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    emitted = 0
+    for _ in range(4):
+        emitted += sum(len(d.new_token_ids) for d in engine.step())
+    assert engine.in_flight is not None
+    (aborted,) = engine.abort([tracker.output.request_id])
+    assert aborted.finish_reason == "abort" and aborted.num_output_tokens == emitted
+    assert engine.step() == []  # the step in flight is read back and its token dropped
+    assert _pages_all_free(engine) and not engine.has_work()
+
+
+def test_a_failing_request_fails_alone_with_overlap(llms):
+    plain, overlapped = llms
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    poison = overlapped.tokenizer.encode(PROMPTS[1])[0]
+    runner = overlapped.engine.runner
+    real_launch = runner.launch
+
+    def flaky_launch(batch, publish=False):
+        if any(poison in s.token_ids for s in batch.seqs):
+            raise RuntimeError("injected fault")
+        return real_launch(batch, publish)
+
+    runner.launch = flaky_launch
+    try:
+        outs = overlapped.generate(PROMPTS, params)
+    finally:
+        runner.launch = real_launch
+    assert outs[1].finish_reason == "error"
+    assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
+    assert _pages_all_free(overlapped.engine)
+
+
+def test_a_request_that_fills_the_context_gets_no_step_past_its_last_token(tiny_chat_model):
+    # Its last token is still being sampled when the next step is scheduled; scheduling it again would be a
+    # wasted step, and one past the context if that token were known.
+    results = []
+    for overlap in (False, True):
+        llm = LLM(model=str(tiny_chat_model), max_total_tokens=512, page_size=8, context_length=40)
+        llm.engine.overlap = overlap
+        runner, launches = llm.engine.runner, []
+        real_launch = runner.launch
+        runner.launch = lambda batch, publish=False: launches.append(batch) or real_launch(batch, publish)
+        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0]
+        results.append((out.token_ids, out.finish_reason, len(launches)))
+        assert _pages_all_free(llm.engine)
+    assert results[1] == results[0] and results[0][1] == "length"
+    assert len(results[0][0]) + len(llm.tokenizer.encode(PROMPTS[0])) == 40
