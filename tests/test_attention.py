@@ -3,6 +3,7 @@ one padded SDPA call for the short rows and one per long chunk; the result equal
 alone over its own contiguous keys."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -24,12 +25,20 @@ def _dense_reference(q, k_ctx, v_ctx, start, mask=None):
     return out[0].transpose(0, 1).reshape(n, HEADS * DIM)
 
 
-def test_mixed_steps_attend_like_each_sequence_alone():
-    g = torch.Generator().manual_seed(0)
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("seqs,tree_at,num_groups,fresh_groups", [
     # (query tokens this step, tokens already in the cache): prefill chunks of two sizes around decode rows
     # and a 4-node tree; the two 40-token chunks share a call.
-    seqs = [(40, 0), (1, 9), (1, 30), (4, 12), (23, 17), (40, 3)]
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    ([(40, 0), (1, 9), (1, 30), (4, 12), (23, 17), (40, 3)], 3, 3, 0),
+    # Fresh prompts attend to their own keys, no gather: one length (causal) and mixed lengths (masked).
+    ([(40, 0), (1, 0), (40, 0), (33, 0), (5, 0)], None, 2, 2),
+    ([(24, 0), (24, 0)], None, 1, 1),
+])
+def test_mixed_steps_attend_like_each_sequence_alone(seqs, tree_at, num_groups, fresh_groups):
+    g = torch.Generator().manual_seed(0)
+    tree = TREE
     pages, next_page = [], 1
     for q, start in seqs:
         need = -(-(q + start) // PAGE)
@@ -44,15 +53,16 @@ def test_mixed_steps_attend_like_each_sequence_alone():
         contexts.append((k, v))
     query_lens, starts = [q for q, _ in seqs], [s for _, s in seqs]
     meta = AttentionMetadata.build(query_lens, starts, pages, PAGE, torch.device("cpu"),
-                                   tree_masks=[None, None, None, tree, None, None])
-    assert len(meta.groups) == 3  # the short rows, the two 40-token chunks, the 23-token chunk
+                                   tree_masks=[tree if b == tree_at else None for b in range(len(seqs))])
+    assert len(meta.groups) == num_groups
+    assert sum(group.self_attention for group in meta.groups) == fresh_groups
     q = torch.randn(sum(query_lens), HEADS, DIM, generator=g)
     new_k = torch.cat([k[s:] for (k, _), s in zip(contexts, starts)])
     new_v = torch.cat([v[s:] for (_, v), s in zip(contexts, starts)])
     out = paged_attention(q, new_k, new_v, cache, meta, DIM ** -0.5)
     row = 0
     for b, ((n, start), (k, v)) in enumerate(zip(seqs, contexts)):
-        expected = _dense_reference(q[row:row + n], k, v, start, tree if b == 3 else None)
+        expected = _dense_reference(q[row:row + n], k, v, start, tree if b == tree_at else None)
         torch.testing.assert_close(out[row:row + n], expected, rtol=1e-5, atol=1e-5)
         row += n
 

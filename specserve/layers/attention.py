@@ -31,6 +31,9 @@ class QueryGroup:
     query_rows: torch.Tensor | None  # [T_g] row in the padded [B * max_q] layout; None if max_q == 1
     max_q: int
     tokens: torch.Tensor | None = None  # [T_g] which of the step's tokens are this group's; None: all
+    # Fresh prompts (nothing cached before the step): keys and values come from the step itself, no gather.
+    self_attention: bool = False
+    causal: bool = False  # the mask is plain causality (equal lengths), so SDPA's causal kernels apply
 
 
 @dataclass(frozen=True)
@@ -122,16 +125,18 @@ def _padded_group(query_lens: list[int], start_positions: list[int], page_tables
 
     starts = torch.tensor(start_positions)
     qlens = torch.tensor(query_lens)
-    q_offset = torch.arange(max_q)
-    q_pos = starts[:, None] + q_offset[None, :]  # [B, max_q]
-    valid_q = q_offset[None, :] < qlens[:, None]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, max_q, max_kv]
-    for b, tree in enumerate(trees):
-        if tree is not None:
-            q, start = query_lens[b], start_positions[b]
-            mask[b, :q, start:start + q] = tree
-    if max_q == 1 and min(kv_lens) == max_kv:
-        mask = None  # every query sees its whole row; SDPA's unmasked path is faster
+    self_attention = max(start_positions) == 0 and all(tree is None for tree in trees)
+    causal = self_attention and min(query_lens) == max_q
+    mask = None  # causality (fresh prompts of one length) or nothing at all: SDPA's unmasked kernels are faster
+    if not causal and not (max_q == 1 and min(kv_lens) == max_kv):
+        q_offset = torch.arange(max_q)
+        q_pos = starts[:, None] + q_offset[None, :]  # [B, max_q]
+        valid_q = q_offset[None, :] < qlens[:, None]
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, max_q, max_kv]
+        for b, tree in enumerate(trees):
+            if tree is not None:
+                q, start = query_lens[b], start_positions[b]
+                mask[b, :q, start:start + q] = tree
 
     flat_pos = torch.cat([torch.arange(s, s + q) for s, q in zip(start_positions, query_lens)])
     seq_index = torch.repeat_interleave(torch.arange(batch), qlens)
@@ -141,7 +146,7 @@ def _padded_group(query_lens: list[int], start_positions: list[int], page_tables
         query_rows = to_device(seq_index * max_q + (flat_pos - starts[seq_index]), device)
     group = QueryGroup(kv_slots=to_device(kv_slots, device),
                        mask=None if mask is None else to_device(mask.unsqueeze(1), device),
-                       query_rows=query_rows, max_q=max_q)
+                       query_rows=query_rows, max_q=max_q, self_attention=self_attention, causal=causal)
     return group, slots
 
 
@@ -162,34 +167,45 @@ def paged_attention(
                                      meta.num_splits)
         return out.view(q.shape[0], -1)
     if len(meta.groups) == 1 and meta.groups[0].tokens is None:
-        return _attend(q, kv_cache, meta.groups[0], scale)
+        return _attend(q, k, v, kv_cache, meta.groups[0], scale)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for group in meta.groups:
-        out[group.tokens] = _attend(q[group.tokens], kv_cache, group, scale)
+        out[group.tokens] = _attend(q[group.tokens], k[group.tokens], v[group.tokens], kv_cache, group, scale)
     return out
 
 
-def _attend(q: torch.Tensor, kv_cache: torch.Tensor, group: QueryGroup, scale: float) -> torch.Tensor:
-    """Gathers each sequence's context from its slots and runs SDPA over the padded batch."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, group: QueryGroup,
+            scale: float) -> torch.Tensor:
+    """Gathers each sequence's context from its slots (or, for fresh prompts, takes the step's own keys
+    and values) and runs SDPA over the padded batch."""
     batch = group.kv_slots.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    if group.query_rows is None:
-        q_pad = q.unsqueeze(1)
+    q_pad = _pad(q, group)
+    if group.self_attention:
+        keys, values = _pad(k, group), _pad(v, group)
     else:
-        q_pad = q.new_zeros(batch * group.max_q, num_heads, head_dim)
-        q_pad[group.query_rows] = q
-        q_pad = q_pad.view(batch, group.max_q, num_heads, head_dim)
-    gather_shape = (*group.kv_slots.shape, *kv_cache.shape[2:])  # [B, max_kv, Hkv, D]
-    flat_slots = group.kv_slots.view(-1)
-    keys = kv_cache[0].index_select(0, flat_slots).view(gather_shape)
-    values = kv_cache[1].index_select(0, flat_slots).view(gather_shape)
+        gather_shape = (*group.kv_slots.shape, *kv_cache.shape[2:])  # [B, max_kv, Hkv, D]
+        flat_slots = group.kv_slots.view(-1)
+        keys = kv_cache[0].index_select(0, flat_slots).view(gather_shape)
+        values = kv_cache[1].index_select(0, flat_slots).view(gather_shape)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
         attn_mask=group.mask,
+        is_causal=group.causal,
         scale=scale,
         enable_gqa=True,
     )  # [B, H, max_q, D]
+    num_heads, head_dim = q.shape[1], q.shape[2]
     out = out.transpose(1, 2).reshape(batch * group.max_q, num_heads * head_dim)
     return out if group.query_rows is None else out[group.query_rows]
+
+
+def _pad(x: torch.Tensor, group: QueryGroup) -> torch.Tensor:
+    """[T_g, heads, D] in step order -> [B, max_q, heads, D], zero-padded."""
+    if group.query_rows is None:
+        return x.unsqueeze(1)
+    batch = group.kv_slots.shape[0]
+    padded = x.new_zeros(batch * group.max_q, *x.shape[1:])
+    padded[group.query_rows] = x
+    return padded.view(batch, group.max_q, *x.shape[1:])

@@ -82,9 +82,16 @@ def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, st
     tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
-def num_splits(max_context: int) -> int:
-    """Context slices per sequence: enough programs for one long sequence to fill the GPU."""
-    return max(1, min(16, max_context // 256))
+# Programs (sequences x KV heads x context slices) that keep every multiprocessor of a large GPU busy.
+TARGET_PROGRAMS = 264
+MIN_SLICE = 64  # context tokens per slice, below which a slice costs more to merge than it saves
+
+
+def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
+    """Context slices per sequence: a small batch splits its contexts until the GPU is full; a large one
+    fills it with sequences alone and skips the merge's extra traffic."""
+    wanted = -(-TARGET_PROGRAMS // (batch * kv_heads))
+    return max(1, min(wanted, max_context // MIN_SLICE, 32))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
