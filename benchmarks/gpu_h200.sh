@@ -2,25 +2,27 @@
 # One H200: GPU correctness tests, then plain decode of a Llama-3.1-8B-shaped model (random bf16 weights)
 # with CUDA graphs, against Hugging Face generate on the same GPU, and eager specserve for reference.
 # Then an offline serving sweep (random 512-token prompts, 256 output tokens, ignore_eos) at C = 1..250.
-# Then the cost of speculation switched off (benchmarks/spec_off_tax.py).
-# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests|decode|sweep|tax|all]
+# Then the cost of speculation switched off (benchmarks/spec_off_tax.py), a kernel-level profile of decode
+# and prefill steps (benchmarks/profile_gpu_step.py), and the GPU's idle time at C = 250 (benchmarks/gpu_idle.py).
+# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [tax] [profile] [idle]   (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-what=${1:-all}
+modes=" ${*:-all} "
+want() { [[ $modes == *" $1 "* || $modes == " all " ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu_info.txt"
-if [[ $what == tests || $what == all ]]; then
+if want tests; then
   python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider 2>&1 | grep -v DEBUG | tee "$OUT/gpu_tests.log"
 fi
-if [[ $what == decode || $what == all ]]; then
+if want decode; then
   common=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
           --prompt-len 512 --output-len 128 --repeats 2 --chunked-prefill-size 32768)
   python3 -m specserve.cli bench decode "${common[@]}" --batch-sizes 1 8 32 64 --out "$OUT/decode_gpu_8b.json"
   python3 -m specserve.cli bench decode "${common[@]}" --batch-sizes 1 8 --no-hf --disable-cuda-graph \
     --out "$OUT/decode_gpu_8b_eager.json"
 fi
-if [[ $what == sweep || $what == all ]]; then
+if want sweep; then
   model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
          --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
          --ignore-eos --quiet --label "specserve plain (CUDA graphs)")
@@ -28,6 +30,12 @@ if [[ $what == sweep || $what == all ]]; then
   python3 -m specserve.cli bench "${model[@]}" --concurrency 10,30,100,250 --out "$OUT/sweep_c10_250.jsonl"
   cat "$OUT/sweep_c1.jsonl" "$OUT/sweep_c10_250.jsonl" > "$OUT/offline_8b_plain.jsonl"
 fi
-if [[ $what == tax || $what == all ]]; then
+if want tax; then
   python3 benchmarks/spec_off_tax.py --out "$OUT/spec_off_tax_h200.json"
+fi
+if want profile; then
+  python3 benchmarks/profile_gpu_step.py --out "$OUT/profile_gpu_step_h200.json" > "$OUT/profile.log" 2>&1
+fi
+if want idle; then
+  python3 benchmarks/gpu_idle.py --out "$OUT/gpu_idle_h200.json"
 fi

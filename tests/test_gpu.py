@@ -124,3 +124,60 @@ def test_eagle3_taps_stored_by_graphed_steps_draft_like_eager_ones(tiny_checkpoi
         assert (engine.runner.graphs is None) == disable
     assert runs[0] == runs[1]
     assert runs[0][0] == _hf_greedy(path, prompts, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_pointwise_kernels_match_the_eager_functions(dtype):
+    """Rotary on strided q/k views, SiLU-and-multiply, and the KV store, against the eager reference."""
+    from specserve.layers import pointwise, triton_pointwise
+    from specserve.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 37, 32, 8, 128
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    positions = torch.randint(0, 4000, (tokens,), device="cuda")
+    cos_sin = RotaryEmbedding(dim, 4096, 500000.0, None).cos_sin.cuda()
+    ours, reference = triton_pointwise.rotary(positions, cos_sin, q, k), pointwise._EAGER["rotary"](positions, cos_sin, q, k)
+    one_rounding = 1e-6 if dtype == torch.float32 else 1.6e-2
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, atol=one_rounding, rtol=one_rounding)
+    gate_up = torch.randn(tokens, 2 * 1000, device="cuda", dtype=dtype) * 4
+    torch.testing.assert_close(triton_pointwise.silu_and_mul(gate_up), pointwise._EAGER["silu_and_mul"](gate_up),
+                               atol=one_rounding, rtol=one_rounding)
+    cache = torch.zeros(2, 500, kv_heads, dim, device="cuda", dtype=dtype)
+    expected = cache.clone()
+    slots = torch.randperm(500, device="cuda")[:tokens]
+    triton_pointwise.store_kv(ours[1], v, cache, slots)
+    expected[0].index_copy_(0, slots, ours[1])
+    expected[1].index_copy_(0, slots, v)
+    assert torch.equal(cache, expected)
+
+
+def test_overlapped_steps_never_wait_for_the_device_and_match_transformers(tiny_checkpoint):
+    """Greedy fp32 with overlap and graphs equals HF and the engine without overlap; launching a step (its
+    scheduling, input copies, replay and sampling) makes no host-device synchronisation: CUDA's sync debug
+    mode turns any into an error. The only one left is the read-back of the tokens."""
+    path = tiny_checkpoint("llama", True)
+    prompts = _prompts(512, seed=9)
+    config = replace(_tight_config(str(path), max_total_tokens=200), device="cuda")
+    engine, _ = build_engine_core(config, progress=False)
+    assert engine.overlap
+    launch, checked = engine.runner.launch, []
+
+    def launch_without_syncs(batch, publish=False):
+        decode_only = all(len(s.token_ids) == 1 for s in batch.seqs)
+        torch.cuda.set_sync_debug_mode("error" if decode_only else "default")
+        try:
+            output = launch(batch, publish)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(decode_only)
+        return output
+
+    engine.runner.launch = launch_without_syncs
+    overlapped, _ = run_staggered(engine, prompts)
+    assert sum(checked) > 20
+    synchronous, _ = _engine_greedy(replace(config, disable_overlap=True), prompts)
+    assert overlapped == synchronous == _hf_greedy(path, prompts, "cuda")

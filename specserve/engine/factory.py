@@ -114,9 +114,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
     num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device))
     use_graphs = device.type == "cuda" and not config.disable_cuda_graph
     if use_graphs:
-        from specserve.layers.pointwise import compile_pointwise
+        from specserve.layers.pointwise import use_gpu_kernels
 
-        compile_pointwise()
+        use_gpu_kernels()
     # With CUDA graphs, one extra page no request owns takes the KV of padded batch rows.
     kv_cache = allocate_kv_cache(model_cfg, (num_pages + use_graphs) * page_size, dtype, device)
     proposer, plan = None, None

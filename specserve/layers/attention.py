@@ -158,8 +158,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-    kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    if kv_cache.is_cuda:
+        from specserve.layers.triton_pointwise import store_kv  # one launch for both, where Triton runs
+
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+    else:
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
     if meta.block_tables is not None:
         from specserve.layers.triton_attention import paged_decode_attention
 
