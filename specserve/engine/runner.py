@@ -19,18 +19,28 @@ from specserve.transfer import tensor_on, to_device
 
 class StepOutput:
     """A step's new tokens per sampling sequence. A plain step leaves them on the device until asked, so the
-    host can prepare the next step meanwhile; `placeholders` name them for that next step (engine/futures.py)."""
+    host can prepare the next step meanwhile; `placeholders` name them for that next step (engine/futures.py).
+
+    On a GPU the copy back is queued right behind the step, into pinned memory, with an event: reading the
+    tokens then waits for this step alone, not for the next one queued behind it on the same stream."""
 
     def __init__(self, ready: list[list[int]] | None = None, device_tokens: torch.Tensor | None = None,
                  placeholders: list[int] | None = None) -> None:
         self._ready = ready
-        self._device_tokens = device_tokens
         self.placeholders = placeholders
+        self._host, self._copied = device_tokens, None
+        if device_tokens is not None and device_tokens.is_cuda:
+            self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
+            self._host.copy_(device_tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def tokens(self) -> list[list[int]]:
         """Reads the tokens back: the step's one host-device synchronisation."""
         if self._ready is None:
-            self._ready = [[t] for t in self._device_tokens.tolist()]
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._ready = [[t] for t in self._host.tolist()]
         return self._ready
 
 
