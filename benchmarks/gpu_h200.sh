@@ -4,7 +4,9 @@
 # Then an offline serving sweep (random 512-token prompts, 256 output tokens, ignore_eos) at C = 1..250.
 # Then the cost of speculation switched off (benchmarks/spec_off_tax.py), a kernel-level profile of decode
 # and prefill steps (benchmarks/profile_gpu_step.py), and the GPU's idle time at C = 250 (benchmarks/gpu_idle.py).
-# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [tax] [profile] [idle]   (none: all)
+# specsweep: the offline sweep again with an EAGLE-3 chain (3 drafts, simulated tau 3) and a tree (top-4, 5 levels,
+# 16 drafts, simulated tau 4), random head of the target's shape.
+# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep] [tax] [profile] [idle]   (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -29,6 +31,22 @@ if want sweep; then
   python3 -m specserve.cli bench "${model[@]}" --concurrency 1 --num-prompts 8 --out "$OUT/sweep_c1.jsonl"
   python3 -m specserve.cli bench "${model[@]}" --concurrency 10,30,100,250 --out "$OUT/sweep_c10_250.jsonl"
   cat "$OUT/sweep_c1.jsonl" "$OUT/sweep_c10_250.jsonl" > "$OUT/offline_8b_plain.jsonl"
+  rm -f "$OUT"/sweep_c*
+fi
+if want specsweep; then
+  model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
+         --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
+         --ignore-eos --quiet --speculative-algorithm EAGLE3)
+  chain=(--speculative-num-steps 3 --speculative-simulate-accept-len 3.0 --label "EAGLE-3 chain 3 (simulated tau 3)")
+  tree=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
+        --speculative-simulate-accept-len 4.0 --label "EAGLE-3 tree 4/5/16 (simulated tau 4)")
+  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 1 --num-prompts 8 --out "$OUT/chain_c1.jsonl"
+  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 10,30,100,250 --out "$OUT/chain_c10.jsonl"
+  python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 1 --num-prompts 4 --out "$OUT/tree_c1.jsonl"
+  python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 10 --num-prompts 20 --out "$OUT/tree_c10.jsonl"
+  cat "$OUT/chain_c1.jsonl" "$OUT/chain_c10.jsonl" > "$OUT/offline_8b_chain.jsonl"
+  cat "$OUT/tree_c1.jsonl" "$OUT/tree_c10.jsonl" > "$OUT/offline_8b_tree.jsonl"
+  rm -f "$OUT"/chain_c*.* "$OUT"/tree_c*.* "$OUT"/sweep_c*.png
 fi
 if want tax; then
   python3 benchmarks/spec_off_tax.py --out "$OUT/spec_off_tax_h200.json"

@@ -1,6 +1,7 @@
 """Is speculation that is switched off free? On one GPU, Llama-3.1-8B shape with random bf16 weights:
 plain decode vs the same engine with an EAGLE-3 head configured but a plan of 0 drafts (graphs replay and
-the head's taps are stored), vs drafting a 3-token chain every step with acceptance simulated at tau = 3.
+the head's taps are stored), vs drafting a 3-token chain every step with acceptance simulated at tau = 3, vs a
+top-4 tree of 16 drafts over 5 levels at simulated tau = 4 (random head of the target's shape).
 
     python benchmarks/spec_off_tax.py --out benchmarks/results/spec_off_tax_h200.json
 """
@@ -23,6 +24,8 @@ SETUPS = {
     "plain": (SpecConfig(), None),
     "EAGLE-3 configured, 0 drafts": (SpecConfig("EAGLE3", None, 3), 0),
     "EAGLE-3 chain 3, simulated tau 3": (SpecConfig("EAGLE3", None, 3, simulate_accept_len=3.0), None),
+    "EAGLE-3 tree top-4, 5 steps, 16 drafts, simulated tau 4":
+        (SpecConfig("EAGLE3", None, 5, 4, 16, simulate_accept_len=4.0), None),
 }
 
 

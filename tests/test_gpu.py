@@ -181,3 +181,23 @@ def test_overlapped_steps_never_wait_for_the_device_and_match_transformers(tiny_
     assert sum(checked) > 20
     synchronous, _ = _engine_greedy(replace(config, disable_overlap=True), prompts)
     assert overlapped == synchronous == _hf_greedy(path, prompts, "cuda")
+
+
+@pytest.mark.parametrize("simulate", [None, 2.5])
+def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, simulate):
+    """EAGLE-3 chain steps replayed as one graph each equal the same program run eagerly, and (greedy) HF."""
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    prompts = _prompts(512, seed=5)
+    runs = []
+    for disable in (False, True):
+        spec = SpecConfig("EAGLE3", str(tmp_path), 3, simulate_accept_len=simulate)
+        config = replace(_tight_config(str(path), 200), device="cuda", spec=spec, disable_cuda_graph=disable)
+        engine, _ = build_engine_core(config, progress=False)
+        outputs, _ = run_staggered(engine, prompts)
+        chain = engine.runner.chain
+        assert chain.num_runs > 10 and bool(chain.graphs) != disable
+        runs.append(outputs)
+    assert runs[0] == runs[1]
+    if simulate is None:
+        assert runs[0] == _hf_greedy(path, prompts, "cuda")

@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.triton_attention import num_splits
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -60,6 +59,8 @@ class DecodeGraphs:
         self._capture(progress)
 
     def _meta(self, bs: int, n: int) -> AttentionMetadata:
+        from specserve.layers.triton_attention import num_splits  # Triton: GPU machines only
+
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.tables[n][:bs],
                                  seq_lens=self.seq_lens[:bs], page_size=self.page_size, num_splits=num_splits(bs, self.model.config.num_kv_heads, n))
 

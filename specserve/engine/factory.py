@@ -117,8 +117,10 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
         from specserve.layers.pointwise import use_gpu_kernels
 
         use_gpu_kernels()
-    # With CUDA graphs, one extra page no request owns takes the KV of padded batch rows.
-    kv_cache = allocate_kv_cache(model_cfg, (num_pages + use_graphs) * page_size, dtype, device)
+    # EAGLE-3 chains run as one program per step (engine/chain_graphs.py).
+    use_chain = draft is not None and _is_eagle3(draft) and config.spec.eagle_topk == 1
+    # With CUDA graphs or chain programs, one extra page no request owns takes the KV of padded rows.
+    kv_cache = allocate_kv_cache(model_cfg, (num_pages + (use_graphs or use_chain)) * page_size, dtype, device)
     proposer, plan = None, None
     if draft is not None:
         proposer = _build_proposer(config, draft, model, num_pages * page_size, kv_cache.shape[2], dtype, device)
@@ -128,6 +130,13 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed,
                          config.scheduler.max_running_requests)
+    if use_chain:
+        from specserve.engine.chain_graphs import ChainGraphs
+
+        runner.chain = ChainGraphs(model, proposer.drafter, kv_cache, config.spec.max_drafts, num_pages * page_size,
+                                   min(config.cuda_graph_max_bs, config.scheduler.max_running_requests),
+                                   max_model_len, page_size, config.spec.simulate_accept_len,
+                                   runner.simulation_rng, capture=use_graphs, progress=progress)
     if use_graphs:
         from specserve.engine.cuda_graphs import DecodeGraphs
 
@@ -182,7 +191,8 @@ def _build_proposer(config: EngineConfig, draft: torch.nn.Module, target: torch.
     spec = config.spec
     scratch = config.scheduler.max_running_requests * scratch_slots(spec.eagle_topk, spec.num_steps, spec.max_drafts)
     if _is_eagle3(draft):
-        kv = allocate_kv_cache(draft.config.model, num_slots + scratch, dtype, device)
+        # The slot after the mirrored ones (also the first scratch slot) takes padded rows' KV in graphs.
+        kv = allocate_kv_cache(draft.config.model, num_slots + scratch + 1, dtype, device)
         # One row per target KV slot, the graphs' padding slot included.
         taps = torch.zeros(target_slots, draft.config.model.hidden_size, dtype=dtype, device=device)
         drafter = Eagle3Drafter(draft, target.embed_tokens, kv, taps, device)

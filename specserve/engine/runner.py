@@ -54,9 +54,10 @@ class ModelRunner:
         self.futures = FutureTokens(max_seqs, device)
         # Speed studies only: replaces verification's verdict (spec/simulate.py).
         self.simulate_accept_len = simulate_accept_len
-        self._simulation_rng = random.Random(seed)
+        self.simulation_rng = random.Random(seed)
         self.timer = NoTimer()
         self.graphs = None  # DecodeGraphs, on a GPU
+        self.chain = None  # ChainGraphs: EAGLE-3 chain steps as one program
         # Training-data capture (specserve.train.datagen): sees every computed token's taps and hidden state.
         self.recorder = None
 
@@ -69,6 +70,9 @@ class ModelRunner:
         """Queues the step on the device. A step without drafts returns before its tokens are read back;
         with `publish`, it also stores them as futures that the next step's inputs may name."""
         seqs = batch.seqs
+        if self.chain is not None and self.recorder is None and self.chain.fits(batch):
+            with self.timer.phase("forward"):
+                return StepOutput(ready=self.chain.run(batch))
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
         if not trees and self.recorder is None and self._graph_fits(seqs):
@@ -155,7 +159,7 @@ class ModelRunner:
 
     def _verdict(self, logits: torch.Tensor, tree, seq) -> Verdict:
         if self.simulate_accept_len is not None:
-            return simulated_verdict(logits, tree, seq.params, self.simulate_accept_len, self._simulation_rng,
+            return simulated_verdict(logits, tree, seq.params, self.simulate_accept_len, self.simulation_rng,
                                      seq.sample_seed)
         generator = None if seq.sample_seed is None else torch.Generator(self.device).manual_seed(seq.sample_seed)
         return verify(logits, tree, seq.params, generator)

@@ -1,0 +1,265 @@
+"""EAGLE-3 chain speculation as one device program per step, captured in CUDA graphs on a GPU.
+
+The general path (spec/proposer.py, spec/verify.py) searches trees in Python and reads results back after
+every draft level; on a GPU those launches and syncs cost more than the drafts save. A chain of k drafts has
+fixed shapes, so a whole step fits in one program, with one read-back at the end:
+
+1. catch the head up on the tokens the last step accepted (at most k + 1 per sequence, padded to k + 1);
+2. draft k tokens greedily, each fed back with the head's own state;
+3. verify root + drafts with the target in one forward, storing the head's taps for all k + 1;
+4. accept on the device: the longest prefix of drafts equal to the target's argmax, plus its next token.
+
+Every row attends like a decode row (its own context length, its sequence's page table), so the paged decode
+kernel serves all three forwards. The head's draft nodes take their KV at their own positions in the
+mirrored pages, not in scratch slots: the next catch-up rewrites every position a later query can see.
+
+Greedy requests only (and simulated acceptance, for speed studies); anything else takes the general path.
+On a CPU the same program runs eagerly with the reference attention, which is how CI checks it.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specserve.engine.cuda_graphs import batch_buckets, context_buckets
+from specserve.engine.scheduler import StepBatch
+from specserve.layers.attention import AttentionMetadata
+from specserve.spec.simulate import draw_num_accepted
+
+
+def accept_chain(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor | None = None):
+    """drafts [B, k], the target's choices best [B, k + 1] -> (tokens [B, k + 1], accepted drafts [B]).
+
+    Row b's new tokens are tokens[b, :accepted[b] + 1]: the accepted drafts, then the target's own next
+    token. `forced` replaces the greedy count (simulated acceptance)."""
+    k = drafts.shape[1]
+    accepted = (drafts == best[:, :k]).int().cumprod(dim=1).sum(dim=1) if forced is None else forced
+    tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+    tokens.scatter_(1, accepted[:, None], best.gather(1, accepted[:, None]))
+    return tokens, accepted
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Host-side description of one step's rows, in the static buffers' layout."""
+
+    catch_ids: np.ndarray  # [B, k + 1] head inputs of the catch-up, padded
+    catch_pos: np.ndarray
+    catch_slots: np.ndarray
+    last_row: np.ndarray  # [B] flat index of each sequence's last catch-up row
+    extend_pos: np.ndarray  # [k - 1, B], level-major
+    extend_slots: np.ndarray
+    root_ids: np.ndarray  # [B]
+    verify_pos: np.ndarray  # [B, k + 1]
+    verify_slots: np.ndarray
+    tables: np.ndarray  # [B, pages]
+
+
+class ChainGraphs:
+    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, num_drafts: int, pad_slot: int,
+                 max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng,
+                 capture: bool, progress: bool = True) -> None:
+        self.target, self.drafter, self.kv_cache = target, drafter, kv_cache
+        self.head = drafter.head
+        self.k, self.width = num_drafts, num_drafts + 1
+        self.pad_slot, self.page_size = pad_slot, page_size
+        self.simulate_accept_len, self.rng = simulate_accept_len, rng
+        self.device = kv_cache.device
+        self.batch_sizes = batch_buckets(max_bs)
+        self.context_lens = context_buckets(max_context, page_size)
+        self.max_bs = self.batch_sizes[-1]
+        self.num_runs = 0
+        self._allocate()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if capture:
+            self._capture(progress)
+
+    def _allocate(self) -> None:
+        b, w, dev = self.max_bs, self.width, self.device
+        long = dict(dtype=torch.long, device=dev)
+        self.catch_ids, self.catch_pos = torch.zeros(b, w, **long), torch.zeros(b, w, **long)
+        self.catch_slots = torch.full((b, w), self.pad_slot, **long)
+        self.last_row = torch.zeros(b, **long)
+        # Level-major, so one level's rows are contiguous (kernels index them as flat arrays).
+        self.extend_pos = torch.zeros(max(self.k - 1, 1), b, **long)
+        self.extend_slots = torch.full((max(self.k - 1, 1), b), self.pad_slot, **long)
+        self.root_ids = torch.zeros(b, **long)
+        self.verify_pos = torch.zeros(b, w, **long)
+        self.verify_slots = torch.full((b, w), self.pad_slot, **long)
+        self.forced = torch.zeros(b, **long)
+        self.tables = {n: torch.zeros(b, -(-n // self.page_size), dtype=torch.int32, device=dev)
+                       for n in self.context_lens}
+
+    # -- which steps qualify ---------------------------------------------
+    def fits(self, batch: StepBatch) -> bool:
+        seqs = batch.seqs
+        if not seqs or len(seqs) > self.max_bs:
+            return False
+        for s in seqs:
+            if not (s.sample and len(s.token_ids) == 1 and s.num_draft_tokens == self.k):
+                return False
+            if self.simulate_accept_len is None and not s.params.greedy:
+                return False
+            if len(self._catch_up_ids(s)) > self.width:
+                return False
+        return max(s.start_pos for s in seqs) + self.width <= self.context_lens[-1]
+
+    @staticmethod
+    def _catch_up_ids(seq) -> list[int]:
+        # As Eagle3Drafter.catch_up: positions from draft_start_pos - 1 (never below 0) to root - 1.
+        first = max(seq.draft_start_pos - 1, 0)
+        return seq.draft_catchup_ids[first + 1 - seq.draft_start_pos:]
+
+    # -- one step ----------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> list[list[int]]:
+        seqs = batch.seqs
+        b = len(seqs)
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
+        n = self.context_lens[bisect.bisect_left(self.context_lens, max(s.start_pos for s in seqs) + self.width)]
+        rows = self._describe(seqs, bs, self.tables[n].shape[1])
+        self._upload(rows, bs, n)
+        forced = None
+        if self.simulate_accept_len is not None:
+            drawn = [draw_num_accepted(self.simulate_accept_len, self.rng) for _ in seqs] + [0] * (bs - b)
+            self.forced[:bs].copy_(torch.tensor(drawn).clamp(max=self.k))
+            forced = self.forced[:bs]
+        if (bs, n) in self.graphs:
+            self.graphs[(bs, n)].replay()
+            tokens, accepted = self.outputs[(bs, n)]
+        else:
+            tokens, accepted = self._forward(bs, n, self._metas(bs, n, rows), forced)
+        self.num_runs += 1
+        tokens, accepted = tokens[:b].tolist(), accepted[:b].tolist()  # the step's one read-back
+        return [t[: a + 1] for t, a in zip(tokens, accepted)]
+
+    def _describe(self, seqs, bs: int, width: int) -> _Rows:
+        k, w, ps, pad = self.k, self.width, self.page_size, self.pad_slot
+        catch_ids = np.zeros((bs, w), np.int64)
+        catch_pos = np.zeros((bs, w), np.int64)
+        catch_slots = np.full((bs, w), pad, np.int64)
+        last_row = np.arange(bs, dtype=np.int64) * w
+        extend_pos = np.zeros((max(k - 1, 1), bs), np.int64)
+        extend_slots = np.full((max(k - 1, 1), bs), pad, np.int64)
+        root_ids = np.zeros(bs, np.int64)
+        verify_pos = np.zeros((bs, w), np.int64)
+        verify_slots = np.full((bs, w), pad, np.int64)
+        tables = np.zeros((bs, width), np.int32)
+        for row, s in enumerate(seqs):
+            pages = np.asarray(s.page_ids[:width], dtype=np.int64)
+            tables[row, : len(pages)] = pages
+            slot = lambda pos: pages[pos // ps] * ps + pos % ps  # noqa: E731
+            ids = self._catch_up_ids(s)
+            first = max(s.draft_start_pos - 1, 0)
+            pos = np.arange(first, first + len(ids))
+            catch_ids[row, : len(ids)], catch_pos[row, : len(ids)] = ids, pos
+            catch_slots[row, : len(ids)] = slot(pos)
+            last_row[row] = row * w + len(ids) - 1
+            root = s.start_pos
+            extend_pos[: k - 1, row] = np.arange(root, root + k - 1)
+            extend_slots[: k - 1, row] = slot(extend_pos[: k - 1, row])
+            root_ids[row] = s.token_ids[0]
+            verify_pos[row] = np.arange(root, root + w)
+            verify_slots[row] = slot(verify_pos[row])
+        return _Rows(catch_ids, catch_pos, catch_slots, last_row, extend_pos, extend_slots, root_ids, verify_pos,
+                     verify_slots, tables)
+
+    def _upload(self, rows: _Rows, bs: int, n: int) -> None:
+        pinned = self.device.type == "cuda"
+        for name in ("catch_ids", "catch_pos", "catch_slots", "last_row", "extend_pos", "extend_slots",
+                     "root_ids", "verify_pos", "verify_slots"):
+            host = torch.from_numpy(getattr(rows, name))
+            target = getattr(self, name)
+            target = target[:, :bs] if name.startswith("extend") else target[:bs]
+            target.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
+        host = torch.from_numpy(rows.tables)
+        self.tables[n][:bs].copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
+
+    # -- the program --------------------------------------------------------
+    def _metas(self, bs: int, n: int, rows: _Rows | None) -> dict[str, AttentionMetadata | list]:
+        """Attention metadata of the three forwards: the Triton decode kernel's (static tensors, for capture)
+        on a GPU, the reference path's (built from the host rows) elsewhere."""
+        if self.device.type == "cuda":
+            from specserve.layers.triton_attention import num_splits
+
+            table = self.tables[n][:bs]
+            row_table = table.repeat_interleave(self.width, dim=0)
+            kv_heads = self.head.config.model.num_kv_heads
+
+            def decode_meta(slots, positions, tables):
+                return AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                                         seq_lens=(positions + 1).to(torch.int32), page_size=self.page_size,
+                                         num_splits=num_splits(slots.numel(), kv_heads, n))
+            return {
+                "catch": decode_meta(self.catch_slots[:bs].view(-1), self.catch_pos[:bs].view(-1), row_table),
+                "extend": [decode_meta(self.extend_slots[i, :bs], self.extend_pos[i, :bs], table)
+                           for i in range(self.k - 1)],
+                "verify": decode_meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table),
+            }
+        tables = [list(t) for t in rows.tables]
+        row_tables = [t for t in tables for _ in range(self.width)]
+
+        def reference_meta(positions, tables_):
+            # Each row alone: one query at its position, attending to its sequence's slots up to there.
+            positions = [int(p) for p in positions]
+            return AttentionMetadata.build([1] * len(positions), positions, tables_, self.page_size, self.device)
+        meta = {"catch": reference_meta(rows.catch_pos.reshape(-1), row_tables),
+                "extend": [reference_meta(rows.extend_pos[i], tables) for i in range(self.k - 1)],
+                "verify": reference_meta(rows.verify_pos.reshape(-1), row_tables)}
+        # Padded rows write their KV to the padding slot, whatever position they claim.
+        return {"catch": _with_slots(meta["catch"], self.catch_slots[:bs].view(-1)),
+                "extend": [_with_slots(m, self.extend_slots[i, :bs]) for i, m in enumerate(meta["extend"])],
+                "verify": _with_slots(meta["verify"], self.verify_slots[:bs].view(-1))}
+
+    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
+        head, target, drafter = self.head, self.target, self.drafter
+        embed = target.embed_tokens
+        catch_slots = self.catch_slots[:bs].view(-1)
+        out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], self.catch_pos[:bs].view(-1),
+                   metas["catch"], drafter.kv_cache)
+        state = out[self.last_row[:bs]]
+        token = head.to_target_ids(head.compute_logits(state).argmax(dim=-1))
+        drafts = [token]
+        for i in range(self.k - 1):
+            state = head(embed(token), state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache)
+            token = head.to_target_ids(head.compute_logits(state).argmax(dim=-1))
+            drafts.append(token)
+        drafts = torch.stack(drafts, dim=1)
+        verify_ids = torch.cat([self.root_ids[:bs, None], drafts], dim=1).view(-1)
+        meta = metas["verify"]
+        hidden, captured = target(verify_ids, self.verify_pos[:bs].view(-1), meta, self.kv_cache,
+                                  drafter.capture_layers)
+        drafter.observe(captured, meta.slot_mapping)
+        best = target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
+        return accept_chain(drafts, best, forced)
+
+    @torch.inference_mode()
+    def _capture(self, progress: bool) -> None:
+        shapes = [(bs, n) for n in reversed(self.context_lens) for bs in reversed(self.batch_sizes)]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        forced = self.forced if self.simulate_accept_len is not None else None
+        with torch.cuda.stream(stream):  # compile every kernel outside capture
+            for bs, n in sorted({(1, n) for n in self.context_lens} | {(self.max_bs, self.context_lens[-1])}) * 2:
+                self._forward(bs, n, self._metas(bs, n, None), None if forced is None else forced[:bs])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        pool = None
+        for bs, n in tqdm(shapes, desc="capturing speculative graphs", disable=not progress, leave=False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[(bs, n)] = self._forward(bs, n, self._metas(bs, n, None),
+                                                      None if forced is None else forced[:bs])
+            pool = graph.pool()
+            self.graphs[(bs, n)] = graph
+        torch.cuda.synchronize(self.device)
+
+
+def _with_slots(meta: AttentionMetadata, slots: torch.Tensor) -> AttentionMetadata:
+    from dataclasses import replace
+
+    return replace(meta, slot_mapping=slots)

@@ -1,0 +1,90 @@
+"""EAGLE-3 chains as one program per step (engine/chain_graphs.py), run eagerly on the CPU: the same drafts,
+acceptance and outputs as the general tree path, lossless against HF, and simulated acceptance unchanged."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.engine.chain_graphs import accept_chain
+from specserve.engine.factory import build_engine_core
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+from conftest import write_peaked_random_head
+from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+
+
+def test_accept_chain_takes_the_matching_prefix_then_the_targets_token():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    best = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [1, 6, 7, 8]])
+    tokens, accepted = accept_chain(drafts, best)
+    assert accepted.tolist() == [3, 1, 0]
+    assert [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())] == [[5, 6, 7, 8], [5, 9], [1]]
+    tokens, accepted = accept_chain(drafts, best, forced=torch.tensor([2, 0, 3]))
+    assert [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())] == [[5, 6, 7], [5], [5, 6, 7, 8]]
+
+
+def _generate(llm: LLM, prompts, params, chain: bool):
+    runner = llm.engine.runner
+    saved, runner.chain = runner.chain, runner.chain if chain else None
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        runner.chain = saved
+    return [(o.token_ids, o.num_spec_steps, o.num_accepted_tokens) for o in outs]
+
+
+def test_chain_program_drafts_what_the_tree_search_drafts(smollm2_dir):
+    """The bundled head on SmolLM2: equal outputs and equal acceptance per request mean equal drafts."""
+    from specserve import draft_heads
+
+    llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3))
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
+               ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    runs_before = llm.engine.runner.chain.num_runs
+    fast = _generate(llm, prompts, params, chain=True)
+    assert llm.engine.runner.chain.num_runs - runs_before > 10
+    assert fast == _generate(llm, prompts, params, chain=False)
+    assert sum(accepted for _, _, accepted in fast) > 10
+
+
+def _random_head_engine(tmp_path, tiny_checkpoint, **spec):
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    config = replace(_tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), 3, **spec))
+    engine, _ = build_engine_core(config, progress=False)
+    return engine, path
+
+
+def test_chain_program_is_lossless_under_preemption(tmp_path, tiny_checkpoint):
+    engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
+    prompts = _prompts(512, seed=4)
+    outputs, _ = run_staggered(engine, prompts)
+    assert engine.runner.chain.num_runs > 10 and engine.scheduler.num_preemptions > 0
+    assert outputs == _hf_greedy(path, prompts)
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages
+
+
+def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoint):
+    prompts = _prompts(512, seed=2)
+    runs = []
+    for chain in (True, False):
+        engine, _ = _random_head_engine(tmp_path, tiny_checkpoint, simulate_accept_len=2.5)
+        if not chain:
+            engine.runner.chain = None
+        accepted, steps = [], engine.step
+
+        def counted():
+            deltas = steps()
+            accepted.extend(d.step_accepted for d in deltas if d.step_accepted is not None)
+            return deltas
+        engine.step = counted
+        outputs, _ = run_staggered(engine, prompts)
+        runs.append((outputs, accepted))
+    assert runs[0] == runs[1]
+    mean = 1 + sum(runs[0][1]) / len(runs[0][1])
+    assert abs(mean - 2.5) < 0.25
