@@ -19,7 +19,7 @@ On a CPU the same program runs eagerly with the reference attention, which is ho
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ class _Rows:
     verify_pos: np.ndarray  # [B, k + 1]
     verify_slots: np.ndarray
     tables: np.ndarray  # [B, pages]
+    forced: np.ndarray | None = None  # [B] simulated accepted counts
 
 
 class ChainGraphs:
@@ -80,19 +81,22 @@ class ChainGraphs:
             self._capture(progress)
 
     def _allocate(self) -> None:
-        b, w, dev = self.max_bs, self.width, self.device
-        long = dict(dtype=torch.long, device=dev)
-        self.catch_ids, self.catch_pos = torch.zeros(b, w, **long), torch.zeros(b, w, **long)
-        self.catch_slots = torch.full((b, w), self.pad_slot, **long)
-        self.last_row = torch.zeros(b, **long)
-        # Level-major, so one level's rows are contiguous (kernels index them as flat arrays).
-        self.extend_pos = torch.zeros(max(self.k - 1, 1), b, **long)
-        self.extend_slots = torch.full((max(self.k - 1, 1), b), self.pad_slot, **long)
-        self.root_ids = torch.zeros(b, **long)
-        self.verify_pos = torch.zeros(b, w, **long)
-        self.verify_slots = torch.full((b, w), self.pad_slot, **long)
-        self.forced = torch.zeros(b, **long)
-        self.tables = {n: torch.zeros(b, -(-n // self.page_size), dtype=torch.int32, device=dev)
+        """The per-step inputs are views of one device buffer, so a step uploads them in one copy."""
+        b, w, e = self.max_bs, self.width, max(self.k - 1, 1)
+        shapes = {"catch_ids": (b, w), "catch_pos": (b, w), "catch_slots": (b, w), "last_row": (b,),
+                  # Level-major, so one level's rows are contiguous (kernels index them as flat arrays).
+                  "extend_pos": (e, b), "extend_slots": (e, b), "root_ids": (b,), "verify_pos": (b, w),
+                  "verify_slots": (b, w), "forced": (b,)}
+        total = sum(int(np.prod(shape)) for shape in shapes.values())
+        self._flat = torch.zeros(total, dtype=torch.long, device=self.device)
+        self._host = np.zeros(total, np.int64)
+        self._host_views, offset = {}, 0
+        for name, shape in shapes.items():
+            size = int(np.prod(shape))
+            setattr(self, name, self._flat[offset:offset + size].view(shape))
+            self._host_views[name] = self._host[offset:offset + size].reshape(shape)
+            offset += size
+        self.tables = {n: torch.zeros(b, -(-n // self.page_size), dtype=torch.int32, device=self.device)
                        for n in self.context_lens}
 
     # -- which steps qualify ---------------------------------------------
@@ -123,12 +127,12 @@ class ChainGraphs:
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         n = self.context_lens[bisect.bisect_left(self.context_lens, max(s.start_pos for s in seqs) + self.width)]
         rows = self._describe(seqs, bs, self.tables[n].shape[1])
-        self._upload(rows, bs, n)
         forced = None
         if self.simulate_accept_len is not None:
-            drawn = [draw_num_accepted(self.simulate_accept_len, self.rng) for _ in seqs] + [0] * (bs - b)
-            self.forced[:bs].copy_(torch.tensor(drawn).clamp(max=self.k))
+            drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), self.k) for _ in seqs]
+            rows = replace(rows, forced=np.array(drawn + [0] * (bs - b), np.int64))
             forced = self.forced[:bs]
+        self._upload(rows, bs, n)
         if (bs, n) in self.graphs:
             self.graphs[(bs, n)].replay()
             tokens, accepted = self.outputs[(bs, n)]
@@ -170,15 +174,18 @@ class ChainGraphs:
                      verify_slots, tables)
 
     def _upload(self, rows: _Rows, bs: int, n: int) -> None:
+        host = self._host
+        host[:] = 0
+        for name in ("catch_slots", "extend_slots", "verify_slots"):
+            self._host_views[name][...] = self.pad_slot
+        for name, view in self._host_views.items():
+            value = getattr(rows, name)
+            if value is not None:
+                (view[:, :bs] if name.startswith("extend") else view[:bs])[...] = value
         pinned = self.device.type == "cuda"
-        for name in ("catch_ids", "catch_pos", "catch_slots", "last_row", "extend_pos", "extend_slots",
-                     "root_ids", "verify_pos", "verify_slots"):
-            host = torch.from_numpy(getattr(rows, name))
-            target = getattr(self, name)
-            target = target[:, :bs] if name.startswith("extend") else target[:bs]
-            target.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
-        host = torch.from_numpy(rows.tables)
-        self.tables[n][:bs].copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
+        for source, target in ((torch.from_numpy(host), self._flat),
+                               (torch.from_numpy(rows.tables), self.tables[n][:bs])):
+            target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
 
     # -- the program --------------------------------------------------------
     def _metas(self, bs: int, n: int, rows: _Rows | None) -> dict[str, AttentionMetadata | list]:
@@ -260,6 +267,4 @@ class ChainGraphs:
 
 
 def _with_slots(meta: AttentionMetadata, slots: torch.Tensor) -> AttentionMetadata:
-    from dataclasses import replace
-
     return replace(meta, slot_mapping=slots)
