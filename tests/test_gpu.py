@@ -197,7 +197,7 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
         engine, _ = build_engine_core(config, progress=False)
         outputs, _ = run_staggered(engine, prompts)
         chain = engine.runner.chain
-        assert chain.num_runs > 10 and bool(chain.graphs) != disable
+        assert chain.num_runs > 3 and bool(chain.graphs) != disable
         runs.append(outputs)
     assert runs[0] == runs[1]
     if simulate is None:
