@@ -84,6 +84,9 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
             return deltas
         engine.step = counted
         outputs, _ = run_staggered(engine, prompts)
+        assert (engine.runner.chain is None) != chain
+        if chain:
+            assert engine.runner.chain.num_runs > 3
         runs.append((outputs, accepted))
     assert runs[0] == runs[1]
     mean = 1 + sum(runs[0][1]) / len(runs[0][1])

@@ -140,3 +140,27 @@ def test_a_request_that_fills_the_context_gets_no_step_past_its_last_token(tiny_
         assert _pages_all_free(llm.engine)
     assert results[1] == results[0] and results[0][1] == "length"
     assert len(results[0][0]) + len(llm.tokenizer.encode(PROMPTS[0])) == 40
+
+
+def test_prefill_chunks_and_usage_counts_step_by_step_match_the_synchronous_engine(tiny_chat_model):
+    """Chunks that sample nothing launch with overlap like any step (no one-by-one retry), and every delta
+    counts the outputs emitted so far, not the placeholder of the step already in flight."""
+    prompt = list(range(100, 160))
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(model=str(tiny_chat_model), max_total_tokens=512, page_size=8, chunked_prefill_size=16)
+        engine = llm.engine
+        engine.overlap = overlap
+
+        def no_retry(batch):
+            raise AssertionError("a step fell back to running its requests one by one")
+        engine._step_each_alone = no_retry
+        engine.add_request("a", prompt, params)
+        deltas = []
+        while engine.has_work():
+            deltas += [(d.new_token_ids, d.num_output_tokens, d.finish_reason) for d in engine.step()]
+        runs.append(deltas)
+        assert _pages_all_free(engine)
+    assert runs[1] == runs[0]
+    assert [count for _, count, _ in runs[0]] == list(range(1, 10))

@@ -13,7 +13,7 @@ Every row attends like a decode row (its own context length, its sequence's page
 kernel serves all three forwards. The head's draft nodes take their KV at their own positions in the
 mirrored pages, not in scratch slots: the next catch-up rewrites every position a later query can see.
 
-Greedy requests only (and simulated acceptance, for speed studies); anything else takes the general path.
+Greedy requests only (simulated acceptance too, for speed studies); anything else takes the general path.
 On a CPU the same program runs eagerly with the reference attention, which is how CI checks it.
 """
 from __future__ import annotations
@@ -107,9 +107,9 @@ class ChainGraphs:
         for s in seqs:
             if not (s.sample and len(s.token_ids) == 1 and s.num_draft_tokens == self.k):
                 return False
-            if self.simulate_accept_len is None and not s.params.greedy:
+            if not s.params.greedy:  # the program's bonus token is the target's argmax
                 return False
-            if len(self._catch_up_ids(s)) > self.width:
+            if not 1 <= len(self._catch_up_ids(s)) <= self.width:
                 return False
         return max(s.start_pos for s in seqs) + self.width <= self.context_lens[-1]
 
@@ -196,17 +196,19 @@ class ChainGraphs:
 
             table = self.tables[n][:bs]
             row_table = table.repeat_interleave(self.width, dim=0)
-            kv_heads = self.head.config.model.num_kv_heads
+            head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
 
-            def decode_meta(slots, positions, tables):
+            def decode_meta(slots, positions, tables, kv_heads):
                 return AttentionMetadata(slot_mapping=slots, block_tables=tables,
                                          seq_lens=(positions + 1).to(torch.int32), page_size=self.page_size,
                                          num_splits=num_splits(slots.numel(), kv_heads, n))
             return {
-                "catch": decode_meta(self.catch_slots[:bs].view(-1), self.catch_pos[:bs].view(-1), row_table),
-                "extend": [decode_meta(self.extend_slots[i, :bs], self.extend_pos[i, :bs], table)
+                "catch": decode_meta(self.catch_slots[:bs].view(-1), self.catch_pos[:bs].view(-1), row_table,
+                                     head_kv),
+                "extend": [decode_meta(self.extend_slots[i, :bs], self.extend_pos[i, :bs], table, head_kv)
                            for i in range(self.k - 1)],
-                "verify": decode_meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table),
+                "verify": decode_meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table,
+                                      target_kv),
             }
         tables = [list(t) for t in rows.tables]
         row_tables = [t for t in tables for _ in range(self.width)]

@@ -137,7 +137,7 @@ class EngineCore:
     def _launch(self, batch: StepBatch) -> _InFlight:
         """Queues the step and advances its requests as if it were done, with a placeholder per new token."""
         output = self.runner.launch(batch, publish=True)
-        placeholders = iter(output.placeholders)
+        placeholders = iter(output.placeholders or ())  # none when no sequence samples (prefill chunks)
         pending = []
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
@@ -164,7 +164,8 @@ class EngineCore:
                 if reason is not None:
                     del request.token_ids[index + 1:]  # the placeholder of a step launched since
                     self.scheduler.finish(request, reason)
-                deltas.append(_delta(request, [token]))
+                # Counted up to this token: a placeholder of the step in flight may follow it.
+                deltas.append(_delta(request, [token], num_output_tokens=index + 1 - request.num_prompt_tokens))
         return deltas
 
     def stats(self) -> EngineStats:
@@ -236,9 +237,11 @@ class EngineCore:
         return None
 
 
-def _delta(request: Request, new_tokens: list[int], step_drafted: int = 0, step_accepted: int | None = None) -> TokenDelta:
+def _delta(request: Request, new_tokens: list[int], step_drafted: int = 0, step_accepted: int | None = None,
+           num_output_tokens: int | None = None) -> TokenDelta:
     reason = request.finish_reason.value if request.finish_reason is not None else None
+    outputs = request.num_output_tokens if num_output_tokens is None else num_output_tokens
     return TokenDelta(
-        request.request_id, new_tokens, reason, request.num_prompt_tokens, request.num_output_tokens,
+        request.request_id, new_tokens, reason, request.num_prompt_tokens, outputs,
         step_drafted, step_accepted, request.num_drafted_tokens, request.num_accepted_tokens,
     )

@@ -3,8 +3,9 @@
 With overlap, step N+1 is scheduled and launched before step N's tokens are read back, so a decoding request's
 next input is not known on the host. It is written as a placeholder, a negative id naming a slot of a small
 device buffer that step N's sampler fills; the runner swaps placeholders for the real ids on the device, just
-before step N+1's forward, so the host never waits. Two halves of the buffer alternate between steps: a
-placeholder is read back one step after it is written, and the half is not reused until the step after that.
+before step N+1's forward, so the host never waits. Stream order alone keeps step N+1 from reading a slot
+before step N writes it. Two halves alternate between steps so that step N's values survive step N+1's
+launch: if that launch fails after publishing, the one-by-one retry still resolves step N's placeholders.
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ class ModelRunner:
                     spans.append((i, len(rows), width))
                     rows.extend(range(ends[i] - width, ends[i]))
             if not rows:
-                return StepOutput(ready=[])
+                return StepOutput(ready=[], placeholders=[])
             logits = self.model.compute_logits(hidden[tensor_on(rows, self.device)]).float()
             if not trees:
                 return self._sample_plain([seqs[i] for i, _, _ in spans], logits, publish)

@@ -89,7 +89,7 @@ MIN_SLICE = 64  # context tokens per slice, below which a slice costs more to me
 
 def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
     """Context slices per sequence: a small batch splits its contexts until the GPU is full; a large one
-    fills it with sequences alone and skips the merge's extra traffic."""
+    fills it with sequences alone, so its merge only copies one slice."""
     wanted = -(-TARGET_PROGRAMS // (batch * kv_heads))
     return max(1, min(wanted, max_context // MIN_SLICE, 32))
 
