@@ -46,10 +46,13 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS), metavar="NAME",
+                   help="which rows to run (default: all); the first must be plain")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
-    for name, (spec, plan) in SETUPS.items():
+    for name in args.setups:
+        spec, plan = SETUPS[name]
         engine, _ = build_engine_core(replace(BASE, spec=spec), progress=False)
         if plan is not None:
             engine.scheduler.draft_plan = lambda request: plan

@@ -164,3 +164,30 @@ def test_prefill_chunks_and_usage_counts_step_by_step_match_the_synchronous_engi
         assert _pages_all_free(engine)
     assert runs[1] == runs[0]
     assert [count for _, count, _ in runs[0]] == list(range(1, 10))
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "DRAFT_MODEL"])
+def test_steps_that_draft_read_back_first_and_the_rest_overlap(tiny_checkpoint, tmp_path, algorithm):
+    """Speculation configured with a plan that drafts on some steps only: the other steps overlap, and a
+    drafting step first reads the step in flight back; greedy output still equals HF, under preemption."""
+    import random
+    from dataclasses import replace
+
+    from conftest import write_peaked_random_head
+
+    from specserve.config import SpecConfig
+
+    path = tiny_checkpoint("llama", True)
+    draft = write_peaked_random_head(path, tmp_path) if algorithm == "EAGLE3" else path
+    config = replace(_tight_config(str(path), max_total_tokens=200), spec=SpecConfig(algorithm, str(draft), 3))
+    engine = _engine(config, overlap=True)
+    rng = random.Random(0)
+    engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 3])
+    overlapped, launch = [], engine.runner.launch
+    engine.runner.launch = lambda batch, publish=False: overlapped.append(publish) or launch(batch, publish)
+    prompts = _prompts(512)  # seed 3's prompts hit an fp32 near-tie with HF on any path, overlap or not
+    outputs, _ = run_staggered(engine, prompts)
+    assert outputs == _hf_greedy(path, prompts)
+    assert sum(overlapped) > 3 and len(overlapped) - sum(overlapped) > 10  # both kinds of step happened
+    assert engine.scheduler.num_preemptions > 0
+    assert _pages_all_free(engine) and engine.in_flight is None

@@ -3,12 +3,14 @@
 With overlap on, a step is launched before the previous one is read back: schedule N+1, launch N+1, then read
 N's tokens and postprocess them while the device runs N+1. A decoding request's input for N+1 is then a
 placeholder for the token N is still sampling (engine/futures.py). The price: a request that finishes at N
-has already been given one more token of work at N+1, which is dropped.
+has already been given one more token of work at N+1, which is dropped. A step that drafts runs synchronously
+(its drafter reads the tokens on the host): the step in flight is read back first and its tokens replace the
+placeholders in the batch. So speculation configured but not drafting keeps the overlap.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specserve.engine.futures import has_placeholder
@@ -71,9 +73,10 @@ class EngineCore:
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.timer = NoTimer()
-        # Overlap needs every step's inputs to be known before the previous step's tokens are: no drafting.
-        self.overlap = overlap and getattr(runner, "proposer", None) is None
+        # Steps that draft run synchronously: drafting reads the tokens on the host.
+        self.overlap = overlap
         self.in_flight: _InFlight | None = None
+        self._known: dict[int, int] = {}  # placeholder -> token, from the last read-back
 
     @property
     def max_model_len(self) -> int:
@@ -105,15 +108,20 @@ class EngineCore:
         if not batch.seqs:
             return self._read_back()
         self.timer.steps += 1
-        if self.overlap:
+        if self.overlap and not any(s.num_draft_tokens for s in batch.seqs):
             return self._step_overlapped(batch)
+        # Drafting reads the tokens on the host, so the step in flight (if any) is read back first.
+        deltas = self._read_back()
+        batch = self._with_known_tokens(batch)
+        if not batch.seqs:
+            return deltas
         try:
             sampled = self.runner.execute(batch)
         except Exception:
             log.exception("step failed; retrying its requests one by one")
-            return self._step_each_alone(batch)
+            return deltas + self._step_each_alone(batch)
         with self.timer.phase("postprocess"):
-            return self._postprocess(batch, sampled)
+            return deltas + self._postprocess(batch, sampled)
 
     def time_phases(self, timer) -> None:
         """Times each step's phases into `timer` (a PhaseTimer), runner phases included. With overlap the
@@ -154,11 +162,12 @@ class EngineCore:
         flight, self.in_flight = self.in_flight, None
         with self.timer.phase("wait"):
             sampled = flight.output.tokens()
-        deltas = []
+        deltas, self._known = [], {}
         with self.timer.phase("postprocess"):
             for (request, index), (token,) in zip(flight.placeholders, sampled):
                 if request.finished:
                     continue  # finished or aborted after this step was launched: its token is dropped
+                self._known[request.token_ids[index]] = token
                 request.token_ids[index] = token
                 reason = self._finish_reason(request, token, index + 1)
                 if reason is not None:
@@ -167,6 +176,17 @@ class EngineCore:
                 # Counted up to this token: a placeholder of the step in flight may follow it.
                 deltas.append(_delta(request, [token], num_output_tokens=index + 1 - request.num_prompt_tokens))
         return deltas
+
+    def _with_known_tokens(self, batch: StepBatch) -> StepBatch:
+        """The batch with the placeholders just read back replaced by their tokens, and without requests
+        that finished on them."""
+        if not self._known:
+            return batch
+        known = lambda ids: [self._known.get(t, t) for t in ids]  # noqa: E731
+        seqs = [replace(s, token_ids=known(s.token_ids), draft_catchup_ids=known(s.draft_catchup_ids))
+                for s in batch.seqs if s.request_id in self.scheduler.requests]
+        self._known = {}
+        return StepBatch(seqs, batch.page_size)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
