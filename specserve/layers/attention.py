@@ -28,7 +28,7 @@ class QueryGroup:
 
     kv_slots: torch.Tensor  # [B, max_kv] slots of each sequence's context, padded with slot 0
     mask: torch.Tensor | None  # [B, 1, max_q, max_kv] True where a query may attend; None: attend to all
-    query_rows: torch.Tensor | None  # [T_g] row in the padded [B * max_q] layout; None if max_q == 1
+    query_rows: torch.Tensor | None  # [T_g] row in the padded [B * max_q] layout; None if all q lengths equal
     max_q: int
     tokens: torch.Tensor | None = None  # [T_g] which of the step's tokens are this group's; None: all
     # Fresh prompts (nothing cached before the step): keys and values come from the step itself, no gather.
@@ -141,8 +141,8 @@ def _padded_group(query_lens: list[int], start_positions: list[int], page_tables
     flat_pos = torch.cat([torch.arange(s, s + q) for s, q in zip(start_positions, query_lens)])
     seq_index = torch.repeat_interleave(torch.arange(batch), qlens)
     slots = kv_slots[seq_index, flat_pos]  # [T_g] in sequence order
-    query_rows = None
-    if max_q > 1:
+    query_rows = None  # sequences of one length: the padded layout is the step's own order
+    if min(query_lens) < max_q:
         query_rows = to_device(seq_index * max_q + (flat_pos - starts[seq_index]), device)
     group = QueryGroup(kv_slots=to_device(kv_slots, device),
                        mask=None if mask is None else to_device(mask.unsqueeze(1), device),
@@ -208,9 +208,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
 
 def _pad(x: torch.Tensor, group: QueryGroup) -> torch.Tensor:
     """[T_g, heads, D] in step order -> [B, max_q, heads, D], zero-padded."""
-    if group.query_rows is None:
-        return x.unsqueeze(1)
     batch = group.kv_slots.shape[0]
+    if group.query_rows is None:
+        return x.reshape(batch, group.max_q, *x.shape[1:])
     padded = x.new_zeros(batch * group.max_q, *x.shape[1:])
     padded[group.query_rows] = x
     return padded.view(batch, group.max_q, *x.shape[1:])
