@@ -24,6 +24,9 @@ def test_accept_chain_takes_the_matching_prefix_then_the_targets_token():
     assert [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())] == [[5, 6, 7, 8], [5, 9], [1]]
     tokens, accepted = accept_chain(drafts, best, forced=torch.tensor([2, 0, 3]))
     assert [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())] == [[5, 6, 7], [5], [5, 6, 7, 8]]
+    # A sequence scheduled with fewer drafts (near its max_tokens) accepts at most those.
+    tokens, accepted = accept_chain(drafts, best, limit=torch.tensor([1, 3, 2]))
+    assert [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())] == [[5, 6], [5, 9], [1]]
 
 
 def _generate(llm: LLM, prompts, params, chain: bool):
@@ -44,9 +47,14 @@ def test_chain_program_drafts_what_the_tree_search_drafts(smollm2_dir):
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
                ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    runs_before = llm.engine.runner.chain.num_runs
+    chain = llm.engine.runner.chain
+    runs_before, short = chain.num_runs, []
+    run = chain.run
+    chain.run = lambda batch: short.append(min(s.num_draft_tokens for s in batch.seqs) < 3) or run(batch)
     fast = _generate(llm, prompts, params, chain=True)
-    assert llm.engine.runner.chain.num_runs - runs_before > 10
+    chain.run = run
+    assert chain.num_runs - runs_before > 10
+    assert any(short)  # the last steps before max_tokens, scheduled with fewer drafts, ran as the program too
     assert fast == _generate(llm, prompts, params, chain=False)
     assert sum(accepted for _, _, accepted in fast) > 10
 

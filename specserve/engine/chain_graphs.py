@@ -31,13 +31,17 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.spec.simulate import draw_num_accepted
 
 
-def accept_chain(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor | None = None):
+def accept_chain(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor | None = None,
+                 limit: torch.Tensor | None = None):
     """drafts [B, k], the target's choices best [B, k + 1] -> (tokens [B, k + 1], accepted drafts [B]).
 
     Row b's new tokens are tokens[b, :accepted[b] + 1]: the accepted drafts, then the target's own next
-    token. `forced` replaces the greedy count (simulated acceptance)."""
+    token. `forced` replaces the greedy count (simulated acceptance); `limit` [B] caps it (a sequence
+    scheduled with fewer than k drafts)."""
     k = drafts.shape[1]
     accepted = (drafts == best[:, :k]).int().cumprod(dim=1).sum(dim=1) if forced is None else forced
+    if limit is not None:
+        accepted = torch.minimum(accepted, limit)
     tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
     tokens.scatter_(1, accepted[:, None], best.gather(1, accepted[:, None]))
     return tokens, accepted
@@ -57,6 +61,7 @@ class _Rows:
     verify_pos: np.ndarray  # [B, k + 1]
     verify_slots: np.ndarray
     tables: np.ndarray  # [B, pages]
+    limit: np.ndarray  # [B] drafts each sequence was scheduled with (the program always drafts k)
     forced: np.ndarray | None = None  # [B] simulated accepted counts
 
 
@@ -86,7 +91,7 @@ class ChainGraphs:
         shapes = {"catch_ids": (b, w), "catch_pos": (b, w), "catch_slots": (b, w), "last_row": (b,),
                   # Level-major, so one level's rows are contiguous (kernels index them as flat arrays).
                   "extend_pos": (e, b), "extend_slots": (e, b), "root_ids": (b,), "verify_pos": (b, w),
-                  "verify_slots": (b, w), "forced": (b,)}
+                  "verify_slots": (b, w), "limit": (b,), "forced": (b,)}
         total = sum(int(np.prod(shape)) for shape in shapes.values())
         self._flat = torch.zeros(total, dtype=torch.long, device=self.device)
         self._host = np.zeros(total, np.int64)
@@ -105,7 +110,7 @@ class ChainGraphs:
         if not seqs or len(seqs) > self.max_bs:
             return False
         for s in seqs:
-            if not (s.sample and len(s.token_ids) == 1 and s.num_draft_tokens == self.k):
+            if not (s.sample and len(s.token_ids) == 1 and 1 <= s.num_draft_tokens <= self.k):
                 return False
             if not s.params.greedy:  # the program's bonus token is the target's argmax
                 return False
@@ -129,7 +134,7 @@ class ChainGraphs:
         rows = self._describe(seqs, bs, self.tables[n].shape[1])
         forced = None
         if self.simulate_accept_len is not None:
-            drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), self.k) for _ in seqs]
+            drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), s.num_draft_tokens) for s in seqs]
             rows = replace(rows, forced=np.array(drawn + [0] * (bs - b), np.int64))
             forced = self.forced[:bs]
         self._upload(rows, bs, n)
@@ -154,6 +159,7 @@ class ChainGraphs:
         verify_pos = np.zeros((bs, w), np.int64)
         verify_slots = np.full((bs, w), pad, np.int64)
         tables = np.zeros((bs, width), np.int32)
+        limit = np.zeros(bs, np.int64)
         for row, s in enumerate(seqs):
             pages = np.asarray(s.page_ids[:width], dtype=np.int64)
             tables[row, : len(pages)] = pages
@@ -164,14 +170,17 @@ class ChainGraphs:
             catch_ids[row, : len(ids)], catch_pos[row, : len(ids)] = ids, pos
             catch_slots[row, : len(ids)] = slot(pos)
             last_row[row] = row * w + len(ids) - 1
-            root = s.start_pos
+            # Pages cover root + d for d scheduled drafts: rows past that write to the padding slot (their
+            # outputs are never accepted).
+            root, d = s.start_pos, s.num_draft_tokens
+            limit[row] = d
             extend_pos[: k - 1, row] = np.arange(root, root + k - 1)
-            extend_slots[: k - 1, row] = slot(extend_pos[: k - 1, row])
+            extend_slots[: d, row] = slot(extend_pos[: d, row])
             root_ids[row] = s.token_ids[0]
             verify_pos[row] = np.arange(root, root + w)
-            verify_slots[row] = slot(verify_pos[row])
+            verify_slots[row, : d + 1] = slot(verify_pos[row, : d + 1])
         return _Rows(catch_ids, catch_pos, catch_slots, last_row, extend_pos, extend_slots, root_ids, verify_pos,
-                     verify_slots, tables)
+                     verify_slots, tables, limit)
 
     def _upload(self, rows: _Rows, bs: int, n: int) -> None:
         host = self._host
@@ -245,7 +254,7 @@ class ChainGraphs:
                                   drafter.capture_layers)
         drafter.observe(captured, meta.slot_mapping)
         best = target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
-        return accept_chain(drafts, best, forced)
+        return accept_chain(drafts, best, forced, self.limit[:bs])
 
     @torch.inference_mode()
     def _capture(self, progress: bool) -> None:
