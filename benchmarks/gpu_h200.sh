@@ -28,8 +28,8 @@ if want sweep; then
   model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
          --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
          --ignore-eos --quiet --label "specserve plain (CUDA graphs)")
-  python3 -m specserve.cli bench "${model[@]}" --concurrency 1 --num-prompts 8 --out "$OUT/sweep_c1.jsonl"
-  python3 -m specserve.cli bench "${model[@]}" --concurrency 10,30,100,250 --out "$OUT/sweep_c10_250.jsonl"
+  python3 -m specserve.cli bench "${model[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/sweep_c1.jsonl"
+  python3 -m specserve.cli bench "${model[@]}" --concurrency 10,30,70,100,250 --out "$OUT/sweep_c10_250.jsonl"
   cat "$OUT/sweep_c1.jsonl" "$OUT/sweep_c10_250.jsonl" > "$OUT/offline_8b_plain.jsonl"
   rm -f "$OUT"/sweep_c*
 fi
@@ -40,8 +40,8 @@ if want specsweep; then
   chain=(--speculative-num-steps 3 --speculative-simulate-accept-len 3.0 --label "EAGLE-3 chain 3 (simulated tau 3)")
   tree=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
         --speculative-simulate-accept-len 4.0 --label "EAGLE-3 tree 4/5/16 (simulated tau 4)")
-  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 1 --num-prompts 8 --out "$OUT/chain_c1.jsonl"
-  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 10,30,100,250 --out "$OUT/chain_c10.jsonl"
+  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/chain_c1.jsonl"
+  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 10,30,70,100,250 --out "$OUT/chain_c10.jsonl"
   python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 1 --num-prompts 4 --out "$OUT/tree_c1.jsonl"
   python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 10 --num-prompts 20 --out "$OUT/tree_c10.jsonl"
   cat "$OUT/chain_c1.jsonl" "$OUT/chain_c10.jsonl" > "$OUT/offline_8b_chain.jsonl"
