@@ -66,8 +66,8 @@ def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> Engin
 
 def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecConfig:
     """The embedded default model ships a trained head: EAGLE3 without a head path uses it, and with
-    `bundled_head` it is on unless --speculative-algorithm NONE. On a GPU it stays off by default: it would
-    give up overlap scheduling, and the head has not been measured there with chain steps in graphs."""
+    `bundled_head` it is on unless --speculative-algorithm NONE. On a GPU it stays off by default: the head
+    has not been measured there since chain steps moved into graphs, and drafting steps do not overlap."""
     from specserve import draft_heads
 
     algorithm, head = args.speculative_algorithm, args.speculative_draft_model_path

@@ -191,3 +191,48 @@ def test_steps_that_draft_read_back_first_and_the_rest_overlap(tiny_checkpoint, 
     assert sum(overlapped) > 3 and len(overlapped) - sum(overlapped) > 10  # both kinds of step happened
     assert engine.scheduler.num_preemptions > 0
     assert _pages_all_free(engine) and engine.in_flight is None
+
+
+def test_a_request_that_stops_on_the_token_read_back_before_a_drafting_step(tiny_chat_model):
+    """With a draft model that is the target itself, drafting steps follow overlapped ones. A request whose
+    token read back just before a drafting step is a stop token is dropped from that step; the others get
+    the tokens read back in place of their placeholders. Output and finish reasons equal the synchronous
+    engine's, and no page is left behind."""
+    from specserve.config import SpecConfig
+
+    params_full = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(model=str(tiny_chat_model), max_total_tokens=2048, page_size=8,
+                  spec=SpecConfig("DRAFT_MODEL", str(tiny_chat_model), 2))
+        engine = llm.engine
+        engine.overlap = overlap
+        full = llm.generate(PROMPTS, params_full)
+        steps = {"n": 0}
+        schedule = engine.scheduler.schedule
+
+        def every_other_step_drafts():
+            steps["n"] += 1
+            return schedule()
+        engine.scheduler.schedule = every_other_step_drafts
+        engine.scheduler.draft_plan = lambda request: 2 if steps["n"] % 2 else 0
+        mapped, dropped, with_known = [], [], engine._with_known_tokens
+
+        def known_tokens(batch):
+            mapped.append(bool(engine._known))
+            kept = with_known(batch)
+            dropped.append(len(batch.seqs) - len(kept.seqs))
+            return kept
+        engine._with_known_tokens = known_tokens
+        # Each prompt stops at a token it produces at a different point, some on overlapped steps.
+        stops = [out.token_ids[3 + i] for i, out in enumerate(full)]
+        outs = [llm.generate(p, SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop]))[0]
+                for p, stop in zip(PROMPTS, stops)]
+        together = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=stops))
+        runs.append(([(o.token_ids, o.finish_reason) for o in outs + together]))
+        assert _pages_all_free(engine) and not engine.has_work()
+        if overlap:
+            assert any(mapped)  # drafting steps did follow steps in flight
+            assert sum(dropped) > 0  # and some requests stopped on the token read back just before one
+    assert runs[1] == runs[0]
+    assert all(reason == "stop" for _, reason in runs[0])

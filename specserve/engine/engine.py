@@ -157,12 +157,13 @@ class EngineCore:
 
     def _read_back(self) -> list[TokenDelta]:
         """Reads the step in flight back and replaces its placeholders; stop conditions apply as usual."""
+        self._known = {}  # placeholder ids are reused: only the last read-back's may be looked up
         if self.in_flight is None:
             return []
         flight, self.in_flight = self.in_flight, None
         with self.timer.phase("wait"):
             sampled = flight.output.tokens()
-        deltas, self._known = [], {}
+        deltas = []
         with self.timer.phase("postprocess"):
             for (request, index), (token,) in zip(flight.placeholders, sampled):
                 if request.finished:
