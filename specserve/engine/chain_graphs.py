@@ -28,6 +28,7 @@ from tqdm import tqdm
 from specserve.engine.cuda_graphs import batch_buckets, context_buckets
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
+from specserve.spec.drafters import eagle3_catch_up
 from specserve.spec.simulate import draw_num_accepted
 
 
@@ -114,15 +115,9 @@ class ChainGraphs:
                 return False
             if not s.params.greedy:  # the program's bonus token is the target's argmax
                 return False
-            if not 1 <= len(self._catch_up_ids(s)) <= self.width:
+            if not 1 <= len(eagle3_catch_up(s)[0]) <= self.width:
                 return False
         return max(s.start_pos for s in seqs) + self.width <= self.context_lens[-1]
-
-    @staticmethod
-    def _catch_up_ids(seq) -> list[int]:
-        # As Eagle3Drafter.catch_up: positions from draft_start_pos - 1 (never below 0) to root - 1.
-        first = max(seq.draft_start_pos - 1, 0)
-        return seq.draft_catchup_ids[first + 1 - seq.draft_start_pos:]
 
     # -- one step ----------------------------------------------------------
     @torch.inference_mode()
@@ -164,8 +159,7 @@ class ChainGraphs:
             pages = np.asarray(s.page_ids[:width], dtype=np.int64)
             tables[row, : len(pages)] = pages
             slot = lambda pos: pages[pos // ps] * ps + pos % ps  # noqa: E731
-            ids = self._catch_up_ids(s)
-            first = max(s.draft_start_pos - 1, 0)
+            ids, first = eagle3_catch_up(s)
             pos = np.arange(first, first + len(ids))
             catch_ids[row, : len(ids)], catch_pos[row, : len(ids)] = ids, pos
             catch_slots[row, : len(ids)] = slot(pos)
@@ -183,10 +177,8 @@ class ChainGraphs:
                      verify_slots, tables, limit)
 
     def _upload(self, rows: _Rows, bs: int, n: int) -> None:
+        # Only the first bs rows are written: a graph of batch bucket bs reads no others.
         host = self._host
-        host[:] = 0
-        for name in ("catch_slots", "extend_slots", "verify_slots"):
-            self._host_views[name][...] = self.pad_slot
         for name, view in self._host_views.items():
             value = getattr(rows, name)
             if value is not None:

@@ -62,7 +62,8 @@ class DecodeGraphs:
         from specserve.layers.triton_attention import num_splits  # Triton: GPU machines only
 
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.tables[n][:bs],
-                                 seq_lens=self.seq_lens[:bs], page_size=self.page_size, num_splits=num_splits(bs, self.model.config.num_kv_heads, n))
+                                 seq_lens=self.seq_lens[:bs], page_size=self.page_size,
+                                 num_splits=num_splits(bs, self.model.config.num_kv_heads, n))
 
     def _forward(self, bs: int, n: int) -> torch.Tensor:
         meta = self._meta(bs, n)

@@ -95,7 +95,8 @@ class AttentionMetadata:
         slot_mapping = torch.cat([row[len(row) - q:] for row, q in zip(kv_slots, query_lens)])
         query_rows = torch.cat([torch.arange(q) + b * max_q for b, q in enumerate(query_lens)])
         group = QueryGroup(kv_slots=to_device(slots, device), mask=to_device(mask.unsqueeze(1), device),
-                           query_rows=to_device(query_rows, device) if max_q > 1 else None, max_q=max_q)
+                           query_rows=to_device(query_rows, device) if min(query_lens) < max_q else None,
+                           max_q=max_q)
         return cls(slot_mapping=to_device(slot_mapping, device), groups=(group,))
 
 

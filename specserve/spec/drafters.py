@@ -24,6 +24,14 @@ def _catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq]
     return input_ids, positions, meta, last
 
 
+def eagle3_catch_up(seq: ScheduledSeq) -> tuple[list[int], int]:
+    """The tokens an EAGLE-3 head must be fed before drafting for `seq`, and the position of the first. It
+    has seen tokens [draft_start_pos, root]; position j pairs token j+1 with the taps of j, so the positions
+    to compute run from draft_start_pos - 1 (never below 0) to root - 1."""
+    first = max(seq.draft_start_pos - 1, 0)
+    return seq.draft_catchup_ids[first + 1 - seq.draft_start_pos:], first
+
+
 class DraftModelDrafter:
     """A smaller causal LM with the target's tokenizer. At position j it reads token j, like the target."""
 
@@ -82,12 +90,7 @@ class Eagle3Drafter:
         self.taps[dst] = self.taps[src]
 
     def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # The draft has seen tokens [draft_start_pos, root]; position j pairs token j+1 with the taps of j,
-        # so the positions to compute run from draft_start_pos - 1 (never below 0) to root - 1.
-        chunks = []
-        for s in seqs:
-            first = max(s.draft_start_pos - 1, 0)
-            chunks.append((s.draft_catchup_ids[first + 1 - s.draft_start_pos:], first))
+        chunks = [eagle3_catch_up(s) for s in seqs]
         input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
         hidden = self.taps[meta.slot_mapping]
         out = self.head(self.embed(input_ids), hidden, positions, meta, self.kv_cache)
