@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from specserve.layers import cpu_kernels
 from specserve.transfer import to_device
 
 
@@ -34,6 +35,10 @@ class QueryGroup:
     # Fresh prompts (nothing cached before the step): keys and values come from the step itself, no gather.
     self_attention: bool = False
     causal: bool = False  # the mask is plain causality (equal lengths), so SDPA's causal kernels apply
+    # CPU, short causal queries: the compiled kernel reads the cache directly. Per token (in the group's order):
+    # its row of kv_slots, and how many of that row's slots it sees.
+    token_seq: torch.Tensor | None = None
+    token_kv_len: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -145,9 +150,11 @@ def _padded_group(query_lens: list[int], start_positions: list[int], page_tables
     query_rows = None  # sequences of one length: the padded layout is the step's own order
     if min(query_lens) < max_q:
         query_rows = to_device(seq_index * max_q + (flat_pos - starts[seq_index]), device)
+    direct = device.type == "cpu" and max_q <= SHORT_QUERY and not self_attention and all(t is None for t in trees)
     group = QueryGroup(kv_slots=to_device(kv_slots, device),
                        mask=None if mask is None else to_device(mask.unsqueeze(1), device),
-                       query_rows=query_rows, max_q=max_q, self_attention=self_attention, causal=causal)
+                       query_rows=query_rows, max_q=max_q, self_attention=self_attention, causal=causal,
+                       token_seq=seq_index if direct else None, token_kv_len=flat_pos + 1 if direct else None)
     return group, slots
 
 
@@ -183,7 +190,12 @@ def paged_attention(
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, group: QueryGroup,
             scale: float) -> torch.Tensor:
     """Gathers each sequence's context from its slots (or, for fresh prompts, takes the step's own keys
-    and values) and runs SDPA over the padded batch."""
+    and values) and runs SDPA over the padded batch. On CPU, short causal queries skip the gather and the
+    padding: the compiled kernel reads the slots in place."""
+    kernels = cpu_kernels.kernels() if group.token_seq is not None and kv_cache.dtype == torch.float32 else None
+    if kernels is not None and q.shape[-1] % 8 == 0:
+        out = kernels.paged_attention(q, kv_cache, group.kv_slots, group.token_seq, group.token_kv_len, scale)
+        return out.view(q.shape[0], -1)
     batch = group.kv_slots.shape[0]
     q_pad = _pad(q, group)
     if group.self_attention:

@@ -1,0 +1,155 @@
+"""The compiled CPU kernels (layers/csrc) against the PyTorch paths they replace.
+
+They build wherever a C++ compiler is found (CI has one), so these tests skip only on machines without one.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.layers import attention, cpu_kernels
+from specserve.layers.attention import AttentionMetadata, paged_attention
+from specserve.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = cpu_kernels.kernels()
+    assert built is not None, "a compiler is present, so the CPU kernels must build"
+    return built
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, True), (37, 100, False), (49152, 64, False),
+                                                           (8, 16, True), (3, 24, True)])
+def test_packed_linear_matches_f_linear(kernels, out_features, in_features, bias):
+    """Every row count (1, the 8-row blocks, their tails, prefill-sized), column counts that are not a
+    multiple of the 8-column panel, with and without bias."""
+    torch.manual_seed(0)
+    layer = Linear(in_features, out_features, bias=bias)
+    layer.prepack()
+    assert layer.packed_kernel is kernels
+    for rows in (1, 2, 5, 8, 9, 16, 23, 130):
+        x = torch.randn(rows, in_features)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    x = torch.randn(2, 3, in_features * 2)[..., ::2]  # non-contiguous, 3-D
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_with_gradients_keeps_autograd(kernels):
+    layer = Linear(16, 8)
+    layer.prepack()
+    x = torch.randn(4, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def _cache_and_pages(seqs, kv_heads, dim, page, generator):
+    """A KV pool with each sequence's context on scattered, reversed pages."""
+    pages, next_page = [], 1
+    for q, start in seqs:
+        need = -(-(q + start) // page)
+        pages.append(list(range(next_page, next_page + need))[::-1])
+        next_page += need
+    cache = torch.randn(2, (next_page + 1) * page, kv_heads, dim, generator=generator)
+    return cache, pages
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 1, 16), (6, 2, 8)])
+@pytest.mark.parametrize("seqs", [
+    [(1, 7), (1, 130), (1, 0), (1, 33)],        # decode rows, one of them a one-token prompt
+    [(4, 12), (1, 5), (6, 40), (16, 3)],        # chain verification: causal within the step, mixed lengths
+    [(3, 9), (3, 9)],                           # equal lengths: no padding rows
+])
+def test_paged_attention_kernel_matches_sdpa(kernels, monkeypatch, heads, kv_heads, dim, seqs):
+    g = torch.Generator().manual_seed(0)
+    page = 16
+    cache, pages = _cache_and_pages(seqs, kv_heads, dim, page, g)
+    query_lens, starts = [q for q, _ in seqs], [s for _, s in seqs]
+    meta = AttentionMetadata.build(query_lens, starts, pages, page, torch.device("cpu"))
+    assert all(group.token_seq is not None for group in meta.groups)
+    # Wide score ranges exercise the kernel's exp where softmax is far from uniform.
+    q = 4 * torch.randn(sum(query_lens), heads, dim, generator=g)
+    k, v = torch.randn(2, sum(query_lens), kv_heads, dim, generator=g)
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("short causal queries must not reach SDPA when the kernel is built")
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", no_sdpa)
+    fast = paged_attention(q, k, v, cache.clone(), meta, dim ** -0.5)
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    reference = paged_attention(q, k, v, cache.clone(), meta, dim ** -0.5)
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_trees_and_prefill_keep_the_reference_path(kernels):
+    """Draft trees need their ancestor mask and prefill chunks SDPA's blocked kernels: no kernel metadata."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    meta = AttentionMetadata.build([3, 40], [5, 0], [[1], [2, 3, 4]], 16, torch.device("cpu"),
+                                   tree_masks=[tree, None])
+    assert all(group.token_seq is None for group in meta.groups)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    cpu_kernels.kernels.cache_clear()
+    try:
+        assert cpu_kernels.kernels() is None
+        layer = Linear(16, 8)
+        layer.prepack()  # falls back to oneDNN's packed weight
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    finally:
+        monkeypatch.delenv("SPECSERVE_CPU_KERNELS")
+        cpu_kernels.kernels.cache_clear()
+
+
+def _eager(monkeypatch, fn, *args):
+    """The same pointwise function with the compiled kernels switched off."""
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "kernels", lambda: None)
+        return fn(*args)
+
+
+@torch.inference_mode()
+def test_pointwise_kernels_match_eager(kernels, monkeypatch):
+    from specserve.layers import pointwise
+    from specserve.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 576, generator=g) * 3
+    weight = torch.randn(576, generator=g)
+    torch.testing.assert_close(pointwise.rms_norm(x, weight, 1e-5), _eager(monkeypatch, pointwise.rms_norm, x, weight, 1e-5))
+
+    # SiLU over a wide range: large negative gates (exp underflow), large positive ones, zeros.
+    gate_up = torch.cat([torch.linspace(-100, 100, 7 * 64).view(7, 64), torch.randn(7, 64, generator=g)], dim=1)
+    gate_up[0, :5] = 0
+    torch.testing.assert_close(pointwise.silu_and_mul(gate_up), _eager(monkeypatch, pointwise.silu_and_mul, gate_up))
+
+    # Rotary in place on strided views of one projection, as the attention layer passes them.
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None)
+    positions = torch.tensor([0, 5, 4095, 17])
+    qkv = torch.randn(4, (9 + 2 * 3) * 64, generator=g)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(4, 9, 64), k.view(4, 3, 64)
+    expected = _eager(monkeypatch, pointwise.rotary, positions, rotary.cos_sin, q.clone(), k.clone())
+    actual = pointwise.rotary(positions, rotary.cos_sin, q, k)
+    torch.testing.assert_close(actual, expected)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        pointwise.rotary(torch.tensor([4096, 0, 0, 0]), rotary.cos_sin, q, k)
+
+
+def test_pointwise_kernels_stay_out_of_autograd(kernels):
+    from specserve.layers import pointwise
+
+    x = torch.randn(3, 16, requires_grad=True)
+    pointwise.silu_and_mul(x).sum().backward()  # the eager path, so gradients flow
+    assert x.grad is not None
