@@ -11,6 +11,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# CPU reference runs in the GPU tests take the PyTorch paths: building the CPU kernels would cost GPU time,
+# and CI tests those kernels.
+export SPECSERVE_CPU_KERNELS=${SPECSERVE_CPU_KERNELS:-0}
 modes=" ${*:-all} "
 want() { [[ $modes == *" $1 "* || $modes == " all " ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu_info.txt"
