@@ -99,3 +99,18 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
     assert runs[0] == runs[1]
     mean = 1 + sum(runs[0][1]) / len(runs[0][1])
     assert abs(mean - 2.5) < 0.25
+
+
+def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny_checkpoint):
+    """Prompt chunks run in steps of their own and extend the head, and a request on its last token rides along
+    with no drafts, so with staggered arrivals and preemption the tree search never drafts: every drafting
+    step is the chain program. Output stays HF's."""
+    engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
+    proposer, general = engine.runner.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
+    prompts = _prompts(512, seed=4)
+    outputs, _ = run_staggered(engine, prompts)
+    assert engine.runner.chain.num_runs > 10 and engine.scheduler.num_preemptions > 0
+    assert general and not any(general)
+    assert outputs == _hf_greedy(path, prompts)

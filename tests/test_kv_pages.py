@@ -120,3 +120,52 @@ def test_requests_that_can_never_fit_are_refused_up_front():
     with pytest.raises(ValueError):
         Scheduler(SchedulerConfig(), PageAllocator(100, 4), max_model_len=16).add(_request("long", 10, 10))
     assert alloc.num_free == 2 and not sched.has_work()
+
+
+def test_with_speculation_prompt_chunks_get_steps_of_their_own():
+    """A drafting step holds decoding requests only (the chain program and its graphs take nothing else), and
+    a prompt chunk carries its tokens for the drafter to extend over, with no drafts."""
+    alloc = PageAllocator(num_pages=100, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=12), alloc, max_model_len=512,
+                      draft_plan=lambda request: 3, max_draft_tokens=3)
+
+    def finish_step(batch):
+        for seq in batch.seqs:
+            request = sched.requests[seq.request_id]
+            request.num_computed_tokens += len(seq.token_ids)
+            if seq.draft_catchup_ids:
+                request.num_draft_computed_tokens = seq.start_pos + len(seq.token_ids)
+            if seq.sample:
+                request.token_ids.append(7)
+
+    sched.add(_request("a", 10, 20))
+    batch = sched.schedule()
+    assert [(s.request_id, len(s.token_ids), s.num_draft_tokens) for s in batch.seqs] == [("a", 10, 0)]
+    assert batch.seqs[0].draft_catchup_ids == batch.seqs[0].token_ids and batch.seqs[0].draft_start_pos == 0
+    finish_step(batch)
+    sched.add(_request("b", 16, 20))
+    steps, batches = [], []
+    for _ in range(4):
+        batch = sched.schedule()
+        batches.append(batch)
+        steps.append([(s.request_id, len(s.token_ids), s.num_draft_tokens) for s in batch.seqs])
+        finish_step(batch)
+    # b's prompt first, in two chunks, while a waits; then a and b decode together and draft.
+    assert steps == [[("b", 12, 0)], [("b", 4, 0)], [("a", 1, 3), ("b", 1, 3)], [("a", 1, 3), ("b", 1, 3)]]
+    # The drafter was extended over b's prompt chunks, so the first drafting step catches up on the token
+    # sampled after the prompt alone.
+    b_first_draft = batches[2].seqs[1]
+    assert (b_first_draft.draft_start_pos, b_first_draft.draft_catchup_ids) == (16, [7])
+
+
+def test_without_speculation_prompt_chunks_and_decoding_share_steps():
+    alloc = PageAllocator(num_pages=100, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=12), alloc, max_model_len=512)
+    sched.add(_request("a", 3, 20))
+    batch = sched.schedule()
+    sched.requests["a"].num_computed_tokens += 3
+    sched.requests["a"].token_ids.append(7)
+    sched.add(_request("b", 16, 20))
+    batch = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 1), ("b", 11)]
+    assert all(not s.draft_catchup_ids for s in batch.seqs)

@@ -254,6 +254,9 @@ class BranchingOracle:
     def observe(self, captured, slot_mapping):
         pass
 
+    def prefill(self, batch):
+        pass
+
     def move_slots(self, src, dst):
         pass
 

@@ -110,12 +110,17 @@ class ChainGraphs:
         seqs = batch.seqs
         if not seqs or len(seqs) > self.max_bs:
             return False
+        # Sequences with no drafts this step (their last token, say) ride along: nothing of theirs is accepted
+        # but the target's own token, and their head catch-up waits for a step that drafts.
+        if not any(s.num_draft_tokens for s in seqs):
+            return False  # a plain step: the decode graphs take it
         for s in seqs:
-            if not (s.sample and len(s.token_ids) == 1 and 1 <= s.num_draft_tokens <= self.k):
+            if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= self.k):
                 return False
             if not s.params.greedy:  # the program's bonus token is the target's argmax
                 return False
-            if not 1 <= len(eagle3_catch_up(s)[0]) <= self.width:
+            catch_up = len(eagle3_catch_up(s)[0])
+            if catch_up > self.width or (s.num_draft_tokens and not catch_up):
                 return False
         return max(s.start_pos for s in seqs) + self.width <= self.context_lens[-1]
 
@@ -129,7 +134,9 @@ class ChainGraphs:
         rows = self._describe(seqs, bs, self.tables[n].shape[1])
         forced = None
         if self.simulate_accept_len is not None:
-            drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), s.num_draft_tokens) for s in seqs]
+            # One draw per drafting sequence, in order, as the tree path draws.
+            drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), s.num_draft_tokens)
+                     if s.num_draft_tokens else 0 for s in seqs]
             rows = replace(rows, forced=np.array(drawn + [0] * (bs - b), np.int64))
             forced = self.forced[:bs]
         self._upload(rows, bs, n)
@@ -163,7 +170,7 @@ class ChainGraphs:
             pos = np.arange(first, first + len(ids))
             catch_ids[row, : len(ids)], catch_pos[row, : len(ids)] = ids, pos
             catch_slots[row, : len(ids)] = slot(pos)
-            last_row[row] = row * w + len(ids) - 1
+            last_row[row] = row * w + max(len(ids) - 1, 0)
             # Pages cover root + d for d scheduled drafts: rows past that write to the padding slot (their
             # outputs are never accepted).
             root, d = s.start_pos, s.num_draft_tokens

@@ -198,6 +198,10 @@ class EngineCore:
         results = iter(sampled)
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
+            if seq.draft_catchup_ids:
+                # Drafters keep KV only for what they were given up to the root: KV of draft nodes is thrown
+                # away, and the accepted ones are caught up on with the true inputs next time.
+                request.num_draft_computed_tokens = seq.start_pos + len(seq.token_ids)
             if not seq.sample:
                 request.num_computed_tokens += len(seq.token_ids)
                 continue
@@ -206,9 +210,6 @@ class EngineCore:
             # KV is kept for the step's own tokens and the accepted drafts; the bonus token has none yet.
             request.num_computed_tokens += len(seq.token_ids) + accepted_drafts
             if seq.num_draft_tokens:
-                # Drafters keep KV only for what they were given up to the root: KV of draft nodes is thrown
-                # away, and the accepted ones are caught up on with the true inputs next time.
-                request.num_draft_computed_tokens = seq.start_pos + len(seq.token_ids)
                 request.num_spec_steps += 1
                 request.num_drafted_tokens += seq.num_draft_tokens
                 request.num_accepted_tokens += accepted_drafts

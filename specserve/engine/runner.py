@@ -90,6 +90,7 @@ class ModelRunner:
             hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
             if self.proposer is not None:
                 self.proposer.observe(captured, meta.slot_mapping)
+                self.proposer.prefill(batch)
             if self.recorder is not None:
                 self.recorder.record(seqs, captured, hidden)
         with self.timer.phase("sample"):

@@ -31,7 +31,8 @@ class ScheduledSeq:
     # Seed for this one sampling draw, derived from the request seed and output index (None: unseeded).
     sample_seed: int | None
     # Speculation, decided per step: how many draft tokens to propose and verify after token_ids[-1], and
-    # the tokens the draft model must first catch up on (its KV starts at draft_start_pos).
+    # the tokens the draft model must first catch up on (its KV starts at draft_start_pos). A prompt chunk
+    # has catch-up tokens and no drafts: the drafter only extends its KV over it.
     num_draft_tokens: int = 0
     draft_start_pos: int = 0
     draft_catchup_ids: list[int] = field(default_factory=list)
@@ -107,13 +108,24 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------
     def schedule(self) -> StepBatch:
+        """With speculation configured, prompt chunks get steps of their own (as in SGLang): a step that
+        drafts then holds only decoding requests, which the chain program and its CUDA graphs can take."""
+        if self.draft_plan is None:
+            return self._schedule(prompts=True, decoding=True)
+        prefill = self._schedule(prompts=True, decoding=False)
+        return prefill if prefill.seqs else self._schedule(prompts=False, decoding=True)
+
+    def _schedule(self, prompts: bool, decoding: bool) -> StepBatch:
+        """One step over running requests (`decoding` ones, with one token to compute; those still in their
+        prompt with `prompts`), then new admissions (with `prompts`)."""
         budget = self.config.chunked_prefill_size
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self._awaits_last_token(request):
+            in_prompt = request.num_uncomputed_tokens > 1
+            if self._awaits_last_token(request) or not (prompts if in_prompt else decoding):
                 index += 1
                 continue
             count = min(request.num_uncomputed_tokens, budget)
@@ -125,7 +137,7 @@ class Scheduler:
             budget -= count + drafts
             index += 1
         # Admitting while evicting would thrash, so new work waits for a step without preemption.
-        while self.waiting and budget > 0 and not preempted:
+        while prompts and self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_running_requests:
                 break
             request = self.waiting[0]
@@ -198,6 +210,9 @@ class Scheduler:
         start = request.num_computed_tokens
         sample = start + count == request.num_tokens
         seed = request.params.seed
+        # The drafter catches up when it drafts, and on prompt chunks in the step that computes them, so that
+        # the first drafting step after a prompt only has the newest token to catch up on.
+        catch_up = drafts > 0 or (self.draft_plan is not None and count > 1)
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.token_ids[start:start + count],
@@ -207,8 +222,8 @@ class Scheduler:
             sample=sample,
             sample_seed=None if seed is None else _mix_seed(seed, request.num_output_tokens),
             num_draft_tokens=drafts,
-            draft_start_pos=request.num_draft_computed_tokens if drafts else 0,
-            draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:start + count] if drafts else [],
+            draft_start_pos=request.num_draft_computed_tokens if catch_up else 0,
+            draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:start + count] if catch_up else [],
         )
 
 

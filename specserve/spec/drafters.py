@@ -1,8 +1,9 @@
 """The two drafters behind `TreeProposer`: a standalone draft model, and an EAGLE-3 head on the target.
 
-Both keep a KV pool that mirrors the target's pages, plus a scratch region for the tree search. Both catch up
-lazily: a request that has not drafted for a while keeps no draft state up to date, and the next step that
-drafts for it first computes what was missed, in one batched forward. So turning speculation off costs
+Both keep a KV pool that mirrors the target's pages, plus a scratch region for the tree search. Both extend
+their KV over prompt chunks in the step that computes them, and otherwise catch up lazily: a request that has
+not drafted for a while keeps no draft state up to date, and the next step that drafts for it first computes
+what was missed, in one batched forward. So turning speculation off costs
 nothing per step (the EAGLE-3 head only stores the target's projected taps, one row per token).
 """
 from __future__ import annotations
@@ -11,16 +12,17 @@ import torch
 
 from specserve.engine.scheduler import ScheduledSeq
 from specserve.layers.attention import AttentionMetadata
+from specserve.transfer import tensor_on, to_device
 
 
 def _catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq], page_size: int, device):
     """Token ids, positions and attention metadata for (tokens, start position) chunks, one per sequence."""
-    input_ids = torch.tensor([t for ids, _ in chunks for t in ids], device=device)
-    positions = torch.cat([torch.arange(p, p + len(ids)) for ids, p in chunks]).to(device)
+    input_ids = tensor_on([t for ids, _ in chunks for t in ids], device)
+    positions = to_device(torch.cat([torch.arange(p, p + len(ids)) for ids, p in chunks]), device)
     meta = AttentionMetadata.build(
         [len(ids) for ids, _ in chunks], [p for _, p in chunks], [s.page_ids for s in seqs], page_size, device
     )
-    last = (torch.tensor([len(ids) for ids, _ in chunks]).cumsum(0) - 1).to(device)
+    last = to_device(torch.tensor([len(ids) for ids, _ in chunks]).cumsum(0) - 1, device)
     return input_ids, positions, meta, last
 
 
