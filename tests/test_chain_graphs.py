@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from specserve.config import SpecConfig
@@ -101,11 +102,14 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
     assert abs(mean - 2.5) < 0.25
 
 
-def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny_checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny_checkpoint, overlap):
     """Prompt chunks run in steps of their own and extend the head, and a request on its last token rides along
     with no drafts, so with staggered arrivals and preemption the tree search never drafts: every drafting
-    step is the chain program. Output stays HF's."""
+    step is the chain program. With overlap (forced on here; a GPU's default) the prompt steps are in flight
+    when the next step is scheduled. Output stays HF's."""
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
+    engine.overlap = overlap
     proposer, general = engine.runner.proposer, []
     propose = proposer.propose
     proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)

@@ -150,6 +150,8 @@ class EngineCore:
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
+            if seq.draft_catchup_ids:  # the drafter extended over a prompt chunk (no drafts: not drafting)
+                request.num_draft_computed_tokens = seq.start_pos + len(seq.token_ids)
             if seq.sample:
                 request.token_ids.append(next(placeholders))
                 pending.append((request, request.num_tokens - 1))

@@ -15,7 +15,7 @@ import triton.language as tl
 
 @triton.jit
 def _silu_and_mul_kernel(GATE_UP, OUT, stride_in, stride_out, WIDTH, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2^31 past ~75k tokens at 8B's MLP width
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < WIDTH
     gate = tl.load(GATE_UP + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
@@ -40,7 +40,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rotary_kernel(X, OUT, POSITIONS, COS_SIN, stride_xt, stride_xh, stride_ot, stride_oh, stride_cs, HEADS,
                    HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POSITIONS + t)
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_PAD)
@@ -73,7 +73,7 @@ def rotary(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: t
 @triton.jit
 def _store_kv_kernel(K, V, CACHE, SLOTS, stride_kt, stride_vt, stride_side, stride_slot, WIDTH,
                      BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < WIDTH
