@@ -104,9 +104,9 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny_checkpoint, overlap):
-    """Prompt chunks run in steps of their own and extend the head, and a request on its last token rides along
-    with no drafts, so with staggered arrivals and preemption the tree search never drafts: every drafting
-    step is the chain program. With overlap (forced on here; a GPU's default) the prompt steps are in flight
+    """Steps draft only when no prompt is pending, the head extends over prompt chunks and over what steps
+    without drafts computed, and a request on its last token rides along with no drafts, so with staggered
+    arrivals and preemption the tree search never drafts: every drafting step is the chain program. With overlap (forced on here; a GPU's default) the prompt steps are in flight
     when the next step is scheduled. Output stays HF's."""
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     engine.overlap = overlap

@@ -1,6 +1,6 @@
 """The compiled CPU kernels (layers/csrc) against the PyTorch paths they replace.
 
-They build wherever a C++ compiler is found (CI has one), so these tests skip only on machines without one.
+They build wherever a C++ compiler and AVX2 are found (CI has both), so these tests skip only elsewhere.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from specserve.layers import attention, cpu_kernels
 from specserve.layers.attention import AttentionMetadata, paged_attention
 from specserve.layers.linear import Linear
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the CPU kernels")
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="no C++ compiler or no AVX2 to build the CPU kernels")
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +155,16 @@ def test_pointwise_kernels_stay_out_of_autograd(kernels):
     x = torch.randn(3, 16, requires_grad=True)
     pointwise.silu_and_mul(x).sum().backward()  # the eager path, so gradients flow
     assert x.grad is not None
+
+
+@torch.inference_mode()
+def test_nan_stays_nan(kernels):
+    """A numerical blow-up must show: the kernel's exp keeps a NaN score NaN, as SDPA does."""
+    g = torch.Generator().manual_seed(0)
+    cache, pages = _cache_and_pages([(1, 20)], 2, 64, 16, g)
+    meta = AttentionMetadata.build([1], [20], pages, 16, torch.device("cpu"))
+    q = torch.randn(1, 4, 64, generator=g)
+    q[0, 1, 3] = float("nan")
+    k, v = torch.randn(2, 1, 2, 64, generator=g)
+    out = paged_attention(q, k, v, cache, meta, 0.125).view(1, 4, 64)
+    assert out[0, 1].isnan().all() and not out[0, 0].isnan().any()

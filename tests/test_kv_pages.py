@@ -122,9 +122,10 @@ def test_requests_that_can_never_fit_are_refused_up_front():
     assert alloc.num_free == 2 and not sched.has_work()
 
 
-def test_with_speculation_prompt_chunks_get_steps_of_their_own():
-    """A drafting step holds decoding requests only (the chain program and its graphs take nothing else), and
-    a prompt chunk carries its tokens for the drafter to extend over, with no drafts."""
+def test_with_speculation_steps_draft_only_when_no_prompt_is_pending():
+    """A drafting step holds decoding requests only (the chain program and its graphs take nothing else);
+    while a prompt is pending, decoding requests still run in every step, without drafts, so they never wait
+    on prompts. A prompt chunk carries its tokens for the drafter to extend over."""
     alloc = PageAllocator(num_pages=100, page_size=4)
     sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=12), alloc, max_model_len=512,
                       draft_plan=lambda request: 3, max_draft_tokens=3)
@@ -150,8 +151,9 @@ def test_with_speculation_prompt_chunks_get_steps_of_their_own():
         batches.append(batch)
         steps.append([(s.request_id, len(s.token_ids), s.num_draft_tokens) for s in batch.seqs])
         finish_step(batch)
-    # b's prompt first, in two chunks, while a waits; then a and b decode together and draft.
-    assert steps == [[("b", 12, 0)], [("b", 4, 0)], [("a", 1, 3), ("b", 1, 3)], [("a", 1, 3), ("b", 1, 3)]]
+    # a keeps decoding, without drafts, while b's prompt runs in two chunks; then both draft.
+    assert steps == [[("a", 1, 0), ("b", 11, 0)], [("a", 1, 0), ("b", 5, 0)],
+                     [("a", 1, 3), ("b", 1, 3)], [("a", 1, 3), ("b", 1, 3)]]
     # The drafter was extended over b's prompt chunks, so the first drafting step catches up on the token
     # sampled after the prompt alone.
     b_first_draft = batches[2].seqs[1]

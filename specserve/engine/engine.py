@@ -150,8 +150,8 @@ class EngineCore:
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
-            if seq.draft_catchup_ids:  # the drafter extended over a prompt chunk (no drafts: not drafting)
-                request.num_draft_computed_tokens = seq.start_pos + len(seq.token_ids)
+            if seq.draft_catchup_ids:  # the drafter extended over them (no drafts, or it would not overlap)
+                request.num_draft_computed_tokens = seq.draft_start_pos + len(seq.draft_catchup_ids)
             if seq.sample:
                 request.token_ids.append(next(placeholders))
                 pending.append((request, request.num_tokens - 1))
@@ -203,7 +203,7 @@ class EngineCore:
             if seq.draft_catchup_ids:
                 # Drafters keep KV only for what they were given up to the root: KV of draft nodes is thrown
                 # away, and the accepted ones are caught up on with the true inputs next time.
-                request.num_draft_computed_tokens = seq.start_pos + len(seq.token_ids)
+                request.num_draft_computed_tokens = seq.draft_start_pos + len(seq.draft_catchup_ids)
             if not seq.sample:
                 request.num_computed_tokens += len(seq.token_ids)
                 continue

@@ -79,6 +79,8 @@ class ModelRunner:
             with self.timer.phase("forward"):
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
                                          [s.page_ids for s in seqs], self.futures)
+                if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
+                    self.proposer.prefill(batch)
             with self.timer.phase("sample"):
                 return self._sample_plain(seqs, logits.float(), publish)
         with self.timer.phase("prepare"):

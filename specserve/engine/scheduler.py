@@ -108,36 +108,30 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------
     def schedule(self) -> StepBatch:
-        """With speculation configured, prompt chunks get steps of their own (as in SGLang): a step that
-        drafts then holds only decoding requests, which the chain program and its CUDA graphs can take."""
-        if self.draft_plan is None:
-            return self._schedule(prompts=True, decoding=True)
-        prefill = self._schedule(prompts=True, decoding=False)
-        return prefill if prefill.seqs else self._schedule(prompts=False, decoding=True)
-
-    def _schedule(self, prompts: bool, decoding: bool) -> StepBatch:
-        """One step over running requests (`decoding` ones, with one token to compute; those still in their
-        prompt with `prompts`), then new admissions (with `prompts`)."""
+        """With speculation configured, a step drafts only when no prompt work is pending, so a drafting step
+        holds decoding requests alone (the shape the chain program and its CUDA graphs take). While prompts
+        are pending, decoding requests still join every step, without drafts: they never wait on prompts."""
+        drafting = self.draft_plan is not None and not self._prompt_work_pending()
         budget = self.config.chunked_prefill_size
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            in_prompt = request.num_uncomputed_tokens > 1
-            if self._awaits_last_token(request) or not (prompts if in_prompt else decoding):
+            if self._awaits_last_token(request):
                 index += 1
                 continue
             count = min(request.num_uncomputed_tokens, budget)
-            drafts = self._num_drafts(request, count, budget)
+            drafts = self._num_drafts(request, count, budget) if drafting else 0
             if not self._make_room(request, count + drafts):
                 preempted = True
                 break  # `request` itself was preempted; everything after it is gone too.
             scheduled.append((request, count, drafts))
             budget -= count + drafts
             index += 1
-        # Admitting while evicting would thrash, so new work waits for a step without preemption.
-        while prompts and self.waiting and budget > 0 and not preempted:
+        # Admitting while evicting would thrash, so new work waits for a step without preemption; and for one
+        # without drafts, so that a drafting step holds decoding requests alone.
+        while self.waiting and budget > 0 and not preempted and not drafting:
             if len(self.running) >= self.config.max_running_requests:
                 break
             request = self.waiting[0]
@@ -150,6 +144,16 @@ class Scheduler:
             scheduled.append((request, count, 0))
             budget -= count
         return StepBatch([self._describe(r, n, d) for r, n, d in scheduled], self.allocator.page_size)
+
+    def _prompt_work_pending(self) -> bool:
+        """A running request still in its prompt, or a waiting one that could be admitted now."""
+        if any(request.num_uncomputed_tokens > 1 for request in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.config.max_running_requests:
+            return False
+        first = self.waiting[0]
+        count = min(first.num_uncomputed_tokens, self.config.chunked_prefill_size)
+        return self.allocator.pages_for(count) <= self.allocator.num_free
 
     def _awaits_last_token(self, request: Request) -> bool:
         """With overlap, a request whose last allowed token is still being sampled needs no more steps."""
@@ -210,9 +214,12 @@ class Scheduler:
         start = request.num_computed_tokens
         sample = start + count == request.num_tokens
         seed = request.params.seed
-        # The drafter catches up when it drafts, and on prompt chunks in the step that computes them, so that
-        # the first drafting step after a prompt only has the newest token to catch up on.
-        catch_up = drafts > 0 or (self.draft_plan is not None and count > 1)
+        # The drafter catches up when it drafts, and in steps that do not draft it extends over prompt chunks
+        # and over decoding requests' known tokens (all but the newest, which may still be a placeholder under
+        # overlap), so a drafting step has at most the two newest tokens to catch up on.
+        catch_up_end = start + count if drafts > 0 or count > 1 else start
+        if drafts == 0 and self.draft_plan is None:
+            catch_up_end = 0
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.token_ids[start:start + count],
@@ -222,8 +229,8 @@ class Scheduler:
             sample=sample,
             sample_seed=None if seed is None else _mix_seed(seed, request.num_output_tokens),
             num_draft_tokens=drafts,
-            draft_start_pos=request.num_draft_computed_tokens if catch_up else 0,
-            draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:start + count] if catch_up else [],
+            draft_start_pos=request.num_draft_computed_tokens,
+            draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:catch_up_end],
         )
 
 

@@ -43,9 +43,10 @@ def kernels():
     try:
         # The sources' hash is part of the name, so an edited kernel never reuses a stale build.
         sources = sorted(_SOURCES[0].parent.iterdir())  # the headers count too
-        digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
-        return load(f"specserve_cpu_{digest}", [str(path) for path in _SOURCES], extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        name = "specserve_cpu_" + hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
+        _remove_stale_lock(name)
+        return load(name, [str(path) for path in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as error:  # a broken toolchain must not stop serving
         log.warning("CPU kernels failed to build (%s): CPU decode uses oneDNN and SDPA", error)
         return None
@@ -58,3 +59,19 @@ def _put_pip_ninja_on_path() -> None:
     except ImportError:
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _remove_stale_lock(name: str, max_age_s: float = 600.0) -> None:
+    """torch waits without a timeout on a build's lock file; one left by a build that was killed would hang
+    every later start. A build takes about a minute, so a lock older than `max_age_s` is a leftover."""
+    import time
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    lock = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            log.warning("removed a stale CPU-kernel build lock (%s)", lock)
+    except FileNotFoundError:
+        pass

@@ -16,7 +16,9 @@ from specserve.layers import cpu_kernels
 
 def _cpu_kernels(x: torch.Tensor, last_dim_multiple: int = 8):
     """The compiled CPU kernels if they apply to `x`: fp32 on CPU, no autograd, a vector-friendly width."""
-    if x.is_cuda or x.dtype != torch.float32 or torch.is_grad_enabled() or x.shape[-1] % last_dim_multiple:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
+        return None
+    if x.shape[-1] % last_dim_multiple:
         return None
     return cpu_kernels.kernels()
 

@@ -47,7 +47,8 @@ void softmax(float* s, int64_t n) {
 
 void axpy(float a, const float* x, float* y, int64_t D) {
   const __m256 av = _mm256_set1_ps(a);
-  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(y + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+  for (int64_t d = 0; d < D; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
 }
 
 }  // namespace
@@ -61,6 +62,15 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = kv_cache.size(2), G = H / Hkv;
   const int64_t S = kv_cache.size(1), L = kv_slots.size(1);
   TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && kv_cache.size(3) == D, "head_dim a multiple of 8, H % Hkv == 0");
+  TORCH_CHECK(token_seq.is_contiguous() && kv_len.is_contiguous() && token_seq.numel() == T && kv_len.numel() == T,
+              "one sequence index and one context length per token");
+  TORCH_CHECK(token_seq.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong &&
+              kv_slots.scalar_type() == at::kLong, "int64 metadata");
+  // A bad slot would read outside the cache: check them all (a few thousand integers a call).
+  const int64_t* all_slots = kv_slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < kv_slots.numel(); ++i) TORCH_CHECK(all_slots[i] >= 0 && all_slots[i] < S, "slot outside the cache");
+  const int64_t* seq_of = token_seq.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(seq_of[t] >= 0 && seq_of[t] < kv_slots.size(0), "sequence outside the slot table");
   auto out = at::zeros_like(q);
   const float* qd = q.data_ptr<float>();
   const float* keys = kv_cache.data_ptr<float>();

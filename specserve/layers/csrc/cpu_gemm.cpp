@@ -100,6 +100,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   const auto x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel && panels * kPanel >= N, "linear: packed shape");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == N &&
+                                    bias->scalar_type() == at::kFloat), "linear: an fp32 bias of out_features");
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const float* xd = x.data_ptr<float>();
@@ -116,7 +118,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
       const int64_t end = panels * (t + 1) / nt;
       for (; p + 4 <= end && valid(p + 3) == kPanel; p += 4)
         four_panels_one_row(xd, K, w + p * K * kPanel, b ? b + p * kPanel : nullptr, o + p * kPanel);
-      for (; p < end; ++p) rows(1, xd, K, w + p * K * kPanel, b ? b + p * kPanel : nullptr, o + p * kPanel, N, valid(p));
+      for (; p < end; ++p)
+        rows(1, xd, K, w + p * K * kPanel, b ? b + p * kPanel : nullptr, o + p * kPanel, N, valid(p));
     }
     return out;
   }

@@ -22,6 +22,8 @@ void check_rows(const at::Tensor& x, const char* name) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == H && weight.scalar_type() == at::kFloat,
+              "rms_norm: an fp32 weight of the row width");
   auto out = at::empty({T, H}, x.options());
   const float* xd = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
@@ -36,7 +38,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     }
     const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(horizontal_sum(squares) / H + static_cast<float>(eps)));
     for (int64_t i = 0; i < H; i += 8)
-      _mm256_storeu_ps(o + t * H + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(row + i), scale)));
+      _mm256_storeu_ps(o + t * H + i,
+                       _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(row + i), scale)));
   }
   return out;
 }
@@ -46,6 +49,8 @@ void rotary_(const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor&
   TORCH_CHECK(positions.scalar_type() == at::kLong && cos_sin.is_contiguous(), "rotary: int64 positions");
   const int64_t T = q.size(0), D = q.size(2), half = D / 2;
   TORCH_CHECK(half % 8 == 0 && cos_sin.size(1) == D, "rotary: half the head a multiple of 8");
+  TORCH_CHECK(positions.is_contiguous() && positions.numel() == T && k.size(0) == T && k.size(2) == D,
+              "rotary: one position per token, q and k of one length and head size");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* table = cos_sin.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin.size(0), "rotary: position out of range");

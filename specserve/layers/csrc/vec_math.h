@@ -11,7 +11,7 @@ inline float horizontal_sum(__m256 v) {
 // e^x for x <= 0 (scores minus their maximum), 8 at a time: 2^n * e^r with |r| <= ln2/2 and a degree-6
 // polynomial for e^r (relative error ~1e-7, fp32 rounding level), where std::exp goes one value at a time.
 inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // this operand order keeps a NaN a NaN
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
