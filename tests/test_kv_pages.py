@@ -160,6 +160,29 @@ def test_with_speculation_steps_draft_only_when_no_prompt_is_pending():
     assert (b_first_draft.draft_start_pos, b_first_draft.draft_catchup_ids) == (16, [7])
 
 
+def test_a_plan_that_drafts_nothing_leaves_the_drafter_idle_in_decode_steps():
+    """Lazy catch-up: decode steps that draft nothing give the drafter nothing to do; only prompt chunks, and
+    decoders in steps that pending prompts keep from drafting, carry catch-up tokens."""
+    alloc = PageAllocator(num_pages=100, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=12), alloc, max_model_len=512,
+                      draft_plan=lambda request: 0, max_draft_tokens=3)
+    sched.add(_request("a", 3, 20))
+    batch = sched.schedule()
+    assert batch.seqs[0].draft_catchup_ids == [1, 2, 3]
+    sched.requests["a"].num_computed_tokens += 3
+    sched.requests["a"].num_draft_computed_tokens = 3
+    for _ in range(3):
+        sched.requests["a"].token_ids.append(7)
+        batch = sched.schedule()
+        assert [(s.request_id, s.num_draft_tokens, s.draft_catchup_ids) for s in batch.seqs] == [("a", 0, [])]
+        sched.requests["a"].num_computed_tokens += 1
+    sched.requests["a"].token_ids.append(8)
+    sched.add(_request("b", 5, 20))
+    batch = sched.schedule()  # b's prompt is pending: a extends over its known tokens, all but the newest
+    assert [(s.request_id, s.token_ids, s.draft_catchup_ids) for s in batch.seqs] == [
+        ("a", [8], [7, 7, 7]), ("b", [1, 2, 3, 4, 5], [1, 2, 3, 4, 5])]
+
+
 def test_without_speculation_prompt_chunks_and_decoding_share_steps():
     alloc = PageAllocator(num_pages=100, page_size=4)
     sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=12), alloc, max_model_len=512)

@@ -254,7 +254,7 @@ class BranchingOracle:
     def observe(self, captured, slot_mapping):
         pass
 
-    def prefill(self, batch):
+    def extend_drafter(self, batch):
         pass
 
     def move_slots(self, src, dst):

@@ -16,7 +16,7 @@ from typing import Protocol
 from specserve.engine.futures import has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.engine.request import FinishReason, Request
-from specserve.engine.scheduler import Scheduler, StepBatch
+from specserve.engine.scheduler import ScheduledSeq, Scheduler, StepBatch
 from specserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,7 @@ class EngineCore:
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
-            if seq.draft_catchup_ids:  # the drafter extended over them (no drafts, or it would not overlap)
-                request.num_draft_computed_tokens = seq.draft_start_pos + len(seq.draft_catchup_ids)
+            _advance_drafter(request, seq)  # it extended over its catch-up (no drafts, or this would not overlap)
             if seq.sample:
                 request.token_ids.append(next(placeholders))
                 pending.append((request, request.num_tokens - 1))
@@ -200,10 +199,7 @@ class EngineCore:
         results = iter(sampled)
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
-            if seq.draft_catchup_ids:
-                # Drafters keep KV only for what they were given up to the root: KV of draft nodes is thrown
-                # away, and the accepted ones are caught up on with the true inputs next time.
-                request.num_draft_computed_tokens = seq.draft_start_pos + len(seq.draft_catchup_ids)
+            _advance_drafter(request, seq)
             if not seq.sample:
                 request.num_computed_tokens += len(seq.token_ids)
                 continue
@@ -259,6 +255,13 @@ class EngineCore:
         if num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _advance_drafter(request: Request, seq: ScheduledSeq) -> None:
+    """The drafter's KV now covers the step's catch-up tokens. Drafters keep KV only for what they were given:
+    KV of draft nodes is thrown away, and accepted drafts are caught up on with the true inputs next time."""
+    if seq.draft_catchup_ids:
+        request.num_draft_computed_tokens = seq.draft_start_pos + len(seq.draft_catchup_ids)
 
 
 def _delta(request: Request, new_tokens: list[int], step_drafted: int = 0, step_accepted: int | None = None,

@@ -80,7 +80,7 @@ class ModelRunner:
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
                                          [s.page_ids for s in seqs], self.futures)
                 if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
-                    self.proposer.prefill(batch)
+                    self.proposer.extend_drafter(batch)
             with self.timer.phase("sample"):
                 return self._sample_plain(seqs, logits.float(), publish)
         with self.timer.phase("prepare"):
@@ -92,7 +92,7 @@ class ModelRunner:
             hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
             if self.proposer is not None:
                 self.proposer.observe(captured, meta.slot_mapping)
-                self.proposer.prefill(batch)
+                self.proposer.extend_drafter(batch)
             if self.recorder is not None:
                 self.recorder.record(seqs, captured, hidden)
         with self.timer.phase("sample"):

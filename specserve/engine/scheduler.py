@@ -31,8 +31,9 @@ class ScheduledSeq:
     # Seed for this one sampling draw, derived from the request seed and output index (None: unseeded).
     sample_seed: int | None
     # Speculation, decided per step: how many draft tokens to propose and verify after token_ids[-1], and
-    # the tokens the draft model must first catch up on (its KV starts at draft_start_pos). A prompt chunk
-    # has catch-up tokens and no drafts: the drafter only extends its KV over it.
+    # the tokens the draft model must first catch up on (its KV starts at draft_start_pos). With catch-up
+    # tokens and no drafts (a prompt chunk; a decoding request in a step that does not draft), the drafter
+    # only extends its KV over them.
     num_draft_tokens: int = 0
     draft_start_pos: int = 0
     draft_catchup_ids: list[int] = field(default_factory=list)
@@ -143,7 +144,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, count, 0))
             budget -= count
-        return StepBatch([self._describe(r, n, d) for r, n, d in scheduled], self.allocator.page_size)
+        extend = self.draft_plan is not None and not drafting
+        return StepBatch([self._describe(r, n, d, extend) for r, n, d in scheduled], self.allocator.page_size)
 
     def _prompt_work_pending(self) -> bool:
         """A running request still in its prompt, or a waiting one that could be admitted now."""
@@ -210,16 +212,19 @@ class Scheduler:
         self.allocator.free(request.request_id, request.page_ids)
         request.page_ids = []
 
-    def _describe(self, request: Request, count: int, drafts: int) -> ScheduledSeq:
+    def _describe(self, request: Request, count: int, drafts: int, extend: bool) -> ScheduledSeq:
         start = request.num_computed_tokens
         sample = start + count == request.num_tokens
         seed = request.params.seed
-        # The drafter catches up when it drafts, and in steps that do not draft it extends over prompt chunks
-        # and over decoding requests' known tokens (all but the newest, which may still be a placeholder under
-        # overlap), so a drafting step has at most the two newest tokens to catch up on.
-        catch_up_end = start + count if drafts > 0 or count > 1 else start
-        if drafts == 0 and self.draft_plan is None:
-            catch_up_end = 0
+        # What the drafter catches up on: everything up to the root when it drafts, and prompt chunks in the
+        # step that computes them. In a step held back from drafting by pending prompts (`extend`), decoding
+        # requests' known tokens too (all but the newest, which under overlap may still be a placeholder), so
+        # the next drafting step has at most the two newest to catch up on. Otherwise it waits (lazily).
+        catch_up_end = request.num_draft_computed_tokens
+        if self.draft_plan is not None and (drafts > 0 or count > 1):
+            catch_up_end = start + count
+        elif extend:
+            catch_up_end = start
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.token_ids[start:start + count],

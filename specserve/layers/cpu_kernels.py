@@ -4,6 +4,8 @@
   weights at ~14-18 GB/s, where oneDNN's pre-packed GEMM reaches 6-10.
 - `paged_attention`: short queries (decode, chain verification) straight from the paged KV cache
   (csrc/cpu_attention.cpp), replacing the gather + padded SDPA of the reference path.
+- `rms_norm`, `rotary_`, `silu_and_mul`: the elementwise math between the matmuls, one pass each
+  (csrc/cpu_pointwise.cpp).
 
 Without a compiler, without AVX2, or with SPECSERVE_CPU_KERNELS=0, `kernels()` returns None and callers keep
 the PyTorch paths.
@@ -15,19 +17,22 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("bindings.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
 @functools.cache
 def kernels():
-    """The compiled module (`pack`, `linear`, `paged_attention`), or None where it cannot run here."""
+    """The compiled module (`pack`, `linear`, `paged_attention`, `rms_norm`, `rotary_`, `silu_and_mul`), or
+    None where it cannot run here."""
     if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0":
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -64,8 +69,6 @@ def _put_pip_ninja_on_path() -> None:
 def _remove_stale_lock(name: str, max_age_s: float = 600.0) -> None:
     """torch waits without a timeout on a build's lock file; one left by a build that was killed would hang
     every later start. A build takes about a minute, so a lock older than `max_age_s` is a leftover."""
-    import time
-
     from torch.utils.cpp_extension import get_default_build_root
 
     lock = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name / "lock"

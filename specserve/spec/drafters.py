@@ -1,10 +1,11 @@
 """The two drafters behind `TreeProposer`: a standalone draft model, and an EAGLE-3 head on the target.
 
 Both keep a KV pool that mirrors the target's pages, plus a scratch region for the tree search. Both extend
-their KV over prompt chunks in the step that computes them, and otherwise catch up lazily: a request that has
-not drafted for a while keeps no draft state up to date, and the next step that drafts for it first computes
-what was missed, in one batched forward. So turning speculation off costs
-nothing per step (the EAGLE-3 head only stores the target's projected taps, one row per token).
+their KV over prompt chunks in the step that computes them (and over decoding requests' tokens in steps that
+pending prompts keep from drafting), and otherwise catch up lazily: a request that has not drafted for a while
+keeps no draft state up to date, and the next step that drafts for it first computes what was missed, in one
+batched forward. So a decode step that drafts nothing costs nothing extra (the EAGLE-3 head only stores the
+target's projected taps, one row per token).
 """
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ class Proposer(Protocol):
 
     def propose(self, batch: StepBatch) -> dict[int, DraftTree]: ...
 
-    def prefill(self, batch: StepBatch) -> None:
-        """After the target's forward: extend the drafter over the step's prompt chunks."""
+    def extend_drafter(self, batch: StepBatch) -> None:
+        """After the target's forward: extend the drafter over catch-up tokens of sequences that do not draft."""
 
     def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         """The target's tapped layer outputs for the tokens it computed this step, at their KV slots."""
@@ -143,9 +143,10 @@ class TreeProposer:
         self.drafter.move_slots(src, dst)
 
     @torch.inference_mode()
-    def prefill(self, batch: StepBatch) -> None:
-        """After the target's forward: the drafter extends its KV over this step's prompt chunks (their taps
-        are stored by now)."""
+    def extend_drafter(self, batch: StepBatch) -> None:
+        """After the target's forward: the drafter extends its KV over the catch-up tokens of the step's
+        sequences that do not draft (prompt chunks; decoding requests in a step held back from drafting),
+        whose taps are stored by now."""
         seqs = [s for s in batch.seqs if s.draft_catchup_ids and not s.num_draft_tokens]
         if seqs:
             self.drafter.catch_up(seqs, batch.page_size)
