@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
 # Trains the default model's EAGLE-3 head on one H200, evaluates it on MT-Bench, and measures SmolLM2 decode.
 #
-# The machine takes at most 64 MiB per call, so the 94 MiB GGUF and the prompts arrive in two calls, and the
-# job itself runs detached while later calls wait on it:
-#   stage1 DIR   keep DIR's files under /tmp/smol: the first part of the GGUF, the prompts, wheels
-#   launch DIR   add DIR's second GGUF part, start the job in its own session, then wait like `wait`
+# A call to the machine takes at most 64 MiB with the source tree, so the 94 MiB GGUF arrives in four parts
+# and the job runs detached while later calls wait on it:
+#   stage DIR    keep DIR's files under /tmp/smol: a GGUF part, and with the first, the prompts and wheels
+#   launch DIR   stage DIR, join the GGUF, start the job in its own session, run the GPU tests meanwhile,
+#                then wait like `wait`
 #   wait         up to ~9 minutes; prints the log's tail and copies what is finished to $OUT
-# The prompts file is ShareGPT's first turns in file order, so `--data` with it picks what `--data sharegpt` does.
+# The prompts file is every distinct human turn of ShareGPT in file order (gzipped), so `--data` with it
+# picks what `--data sharegpt-turns` does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T=/tmp/smol
 # The detached job runs from its own copy of the code, which later calls' file transfers leave alone.
-export PYTHONPATH=/tmp/site:$T/src PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$T/src PYTHONUNBUFFERED=1 SPECSERVE_CPU_KERNELS=0
 
 job() {
   local model=$T/smollm2.gguf
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
   python3 -m specserve.cli train-draft --target "$model" --device cuda --dtype bfloat16 \
-    --data $T/sharegpt_first_turns.jsonl --num-prompts 6000 --max-tokens 320 --max-len 960 \
-    --max-total-tokens 600000 --max-running-requests 256 --chunked-prefill-size 8192 --gen-batch 1024 \
-    --draft-vocab-size 14336 --batch-size 16 --lr 3e-4 --warmup-steps 100 --train-minutes 11 \
+    --data $T/sharegpt_turns.jsonl --num-prompts 18000 --max-tokens 320 --max-len 960 \
+    --max-total-tokens 1000000 --max-running-requests 1024 --chunked-prefill-size 16384 --gen-batch 1024 \
+    --draft-vocab-size 14336 --batch-size 16 --lr 3e-4 --warmup-steps 100 --train-minutes 12 \
     --checkpoint-every 500 --out $T/head || return 1
   touch $T/head_done
   python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype float32 --draft $T/head \
@@ -42,19 +44,29 @@ wait_job() {
   [[ -e $T/finished ]] && echo "JOB FINISHED rc=$(cat $T/finished)" || echo "JOB RUNNING"
 }
 
+stage() {
+  mkdir -p $T
+  cp "$1"/gguf.part* $T/
+  if ls "$1"/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl
+  fi
+  if [[ -e $1/sharegpt_turns.jsonl.gz ]]; then gunzip -c "$1"/sharegpt_turns.jsonl.gz > $T/sharegpt_turns.jsonl; fi
+  ls -la $T
+}
+
 case ${1:-} in
-  stage1)
-    mkdir -p $T
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$2"/*.whl
-    cp "$2"/gguf.part1 "$2"/sharegpt_first_turns.jsonl $T/ && ls -la $T && python3 -c "import gguf, specserve.llm"
-    ;;
+  stage) stage "$2" ;;
   launch)
-    cat $T/gguf.part1 "$2"/gguf.part2 > $T/smollm2.gguf && sha256sum $T/smollm2.gguf
-    mkdir -p $T/src && cp -r specserve benchmarks $T/src/
+    stage "$2"
+    cat $T/gguf.part? > $T/smollm2.gguf && sha256sum $T/smollm2.gguf
+    mkdir -p $T/src && cp -r specserve benchmarks tests $T/src/
     setsid nohup bash -c "bash $T/src/benchmarks/train_smollm2_h200.sh job > $T/job.log 2>&1; echo \$? > $T/finished" > /dev/null 2>&1 < /dev/null &
-    wait_job 530
+    # The GPU tests take tiny models and little of the GPU; they run while the job generates and trains.
+    (cd $T/src && python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | grep -v DEBUG > "$OUT/gpu_tests.log")
+    tail -5 "$OUT/gpu_tests.log"
+    wait_job "${3:-420}"
     ;;
   job) job ;;
   wait) wait_job "${2:-540}" ;;
-  *) echo "usage: $0 stage1 DIR | launch DIR | wait [SECONDS]"; exit 2 ;;
+  *) echo "usage: $0 stage DIR | launch DIR [SECONDS] | wait [SECONDS]"; exit 2 ;;
 esac

@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target by self-distillation")
     _add_target_args(train)
     train.add_argument("--out", required=True, help="directory for the head, its data and checkpoints")
-    train.add_argument("--data", default="sharegpt", help="sharegpt | mt-bench | a JSONL of prompts or conversations")
+    train.add_argument("--data", default="sharegpt", help="sharegpt (first turns) | sharegpt-turns (every distinct human turn) | mt-bench | a JSONL of "
+                       "prompts or conversations")
     train.add_argument("--num-prompts", type=int, default=4000)
     train.add_argument("--max-tokens", type=int, default=512, help="answer length when regenerating")
     train.add_argument("--temperature", type=float, default=0.0)
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=1e-4)
     train.add_argument("--warmup-steps", type=int, default=50)
     train.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth")
+    train.add_argument("--step-decay", type=float, default=0.8, help="unroll step k's loss weighs this**k")
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     train.add_argument("--max-shard-mib", type=int, default=16, help="split the saved head into shards this large")

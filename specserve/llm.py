@@ -25,7 +25,9 @@ class LLM:
         config = replace(config, model_path=model if model is not None else config.model_path)
         config = _apply_overrides(config, overrides)
         self.config = config
-        self.engine, self.model_info = build_engine_core(config, progress=overrides.get("progress", False))
+        # `record_layers` (training-data generation): CUDA graphs also keep those layers' outputs per row.
+        self.engine, self.model_info = build_engine_core(config, progress=overrides.get("progress", False),
+                                                         record_layers=overrides.get("record_layers", ()))
         self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir)
         self._ids = itertools.count()
 
@@ -78,7 +80,8 @@ _SCHED_FIELDS = {"max_running_requests", "chunked_prefill_size", "max_queued_req
 def _apply_overrides(config: EngineConfig, overrides: dict) -> EngineConfig:
     cache = {k: v for k, v in overrides.items() if k in _CACHE_FIELDS}
     sched = {k: v for k, v in overrides.items() if k in _SCHED_FIELDS}
-    top = {k: v for k, v in overrides.items() if k not in _CACHE_FIELDS | _SCHED_FIELDS | {"progress"}}
+    special = {"progress", "record_layers"}
+    top = {k: v for k, v in overrides.items() if k not in _CACHE_FIELDS | _SCHED_FIELDS | special}
     return replace(
         config,
         cache=replace(config.cache, **cache),

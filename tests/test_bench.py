@@ -157,6 +157,12 @@ def test_datasets_parse_record_by_record(tmp_path, monkeypatch):
     parsed = list(datasets._first_turns(datasets._iter_json_array(cut)))
     assert [p.text for p in parsed] == [f"question {i}" for i in range(4)]
     assert parsed[0].output_len == len("an answer " * 10) // 4
+    follow_up = [{"from": "human", "value": "question 0"}, {"from": "gpt", "value": "again"},
+                 {"from": "human", "value": "and more?"}, {"from": "gpt", "value": "more"},
+                 {"from": "human", "value": "  "}, {"from": "human", "value": "unanswered"}]
+    turns = list(datasets._human_turns(records[:2] + [{"conversations": follow_up}]))
+    assert [p.text for p in turns] == ["question 0", "question 1", "and more?", "unanswered"]
+    assert [p.output_len for p in turns][2:] == [1, None]
 
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text("\n".join(json.dumps(row) for row in [

@@ -202,3 +202,19 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
     assert runs[0] == runs[1]
     if simulate is None:
         assert runs[0] == _hf_greedy(path, prompts, "cuda")
+
+
+def test_training_data_recorded_through_graphs_equals_eager_recording(tiny_checkpoint, tmp_path):
+    """Datagen on a GPU replays decode graphs that also write the taps and hidden states; the samples
+    equal those recorded with graphs off (fp32)."""
+    from test_train_draft import _assert_same_samples, _recorded_samples
+
+    path = tiny_checkpoint("llama")
+    prompts = _prompts(512, seed=3)
+    runs = []
+    for disable in (False, True):
+        config = replace(_tight_config(str(path), 4096), device="cuda", disable_cuda_graph=disable)
+        samples, engine = _recorded_samples(config, (0, 1), prompts, tmp_path / str(disable))
+        assert disable or engine.runner.graphs.num_replays > 0
+        runs.append(samples)
+    _assert_same_samples(runs[0], runs[1], 1e-2)

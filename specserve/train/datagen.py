@@ -23,8 +23,8 @@ from specserve.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class Sample:
     input_ids: torch.Tensor  # [N] prompt then answer
-    taps: torch.Tensor  # [N, len(layers) * H]; the last position is never computed and stays zero
-    hidden: torch.Tensor  # [N, H] final normed hidden state
+    taps: torch.Tensor  # [N, len(layers) * H]; the last position's row is zero (no loss reads it)
+    hidden: torch.Tensor  # [N, H] final normed hidden state; the last row is zero too
     loss_mask: torch.Tensor  # [N] 1 where the next token belongs to the answer
 
     @property
@@ -33,16 +33,18 @@ class Sample:
 
 
 class TapRecorder:
-    """Hooked into the runner: keeps every computed token's taps and hidden state, by request and position."""
+    """Hooked into the runner: keeps every computed token's taps and hidden state, by request and position.
+    Rows stay on the device they were computed on until a sample is written out."""
 
     def __init__(self, capture_layers: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> None:
         self.capture_layers = tuple(capture_layers)
         self.dtype = dtype
         self.chunks: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def record(self, seqs, captured: list[torch.Tensor], hidden: torch.Tensor) -> None:
-        taps = torch.cat(captured, dim=-1).to("cpu", self.dtype)
-        hidden = hidden.to("cpu", self.dtype)
+    def record(self, seqs, taps: torch.Tensor, hidden: torch.Tensor) -> None:
+        """`taps` [rows, len(layers) * H] and `hidden` [rows, H], the seqs' tokens in order. Copied: a
+        CUDA graph's output buffers are overwritten by its next replay."""
+        taps, hidden = taps.to(self.dtype, copy=True), hidden.to(self.dtype, copy=True)
         offset = 0
         for seq in seqs:
             n = len(seq.token_ids)
@@ -52,17 +54,34 @@ class TapRecorder:
             offset += n
 
     def take(self, request_id: str, token_ids: list[int], prompt_len: int) -> Sample:
-        chunks = self.chunks.pop(request_id)
+        chunks = sorted(self.chunks.pop(request_id).items())
         n = len(token_ids)
-        first_taps, first_hidden = next(iter(chunks.values()))
-        taps = first_taps.new_zeros(n, first_taps.shape[1])
-        hidden = first_hidden.new_zeros(n, first_hidden.shape[1])
-        for start, (t, h) in chunks.items():
-            end = min(start + len(t), n)
-            taps[start:end], hidden[start:end] = t[: end - start], h[: end - start]
+        taps, hidden = _assemble([(start, t) for start, (t, _) in chunks], n), \
+            _assemble([(start, h) for start, (_, h) in chunks], n)
         mask = torch.zeros(n, dtype=torch.uint8)
         mask[prompt_len - 1:n - 1] = 1
-        return Sample(torch.tensor(token_ids), taps, hidden, mask)
+        return Sample(torch.tensor(token_ids), taps.cpu(), hidden.cpu(), mask)
+
+    def clear(self) -> None:
+        """Drops rows of requests never taken (an overlapped step computes one token past the end)."""
+        self.chunks.clear()
+
+
+def _assemble(chunks: list[tuple[int, torch.Tensor]], n: int) -> torch.Tensor:
+    """Rows 0..n-1 from chunks sorted by start, zero where nothing was computed. The last position's row is
+    zeroed too: it is computed only when an overlapped step runs past the end, and no loss reads it."""
+    ends = [start + len(t) for start, t in chunks]
+    if chunks[0][0] == 0 and all(start == end for (start, _), end in zip(chunks[1:], ends)):
+        rows = torch.cat([t for _, t in chunks])[:n]  # decode chunks tile the sequence: one copy
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, n - len(rows)))
+    else:  # a chunk recomputed after preemption overlaps the others
+        rows = chunks[0][1].new_zeros(n, chunks[0][1].shape[1])
+        for start, t in chunks:
+            end = min(start + len(t), n)
+            if end > start:
+                rows[start:end] = t[: end - start]
+    rows[n - 1:] = 0
+    return rows
 
 
 def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], params: SamplingParams,
@@ -71,6 +90,9 @@ def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], par
     runner = llm.engine.runner
     if runner.proposer is not None:
         raise ValueError("generate training data with speculation off")
+    graphs = runner.graphs
+    if graphs is not None and graphs.record_layers and graphs.record_layers != tuple(capture_layers):
+        raise ValueError(f"the CUDA graphs record layers {graphs.record_layers}, not {capture_layers}")
     recorder = TapRecorder(capture_layers)
     runner.recorder = recorder
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +105,7 @@ def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], par
                 llm.step_and_track(trackers)
             samples = [recorder.take(t.output.request_id, t.output.prompt_token_ids + t.output.token_ids,
                                      len(t.output.prompt_token_ids)) for t in trackers]
+            recorder.clear()
             shards.append(write_shard(samples, out_dir / f"shard-{len(shards):05d}.safetensors"))
             bar.update(len(trackers))
     finally:

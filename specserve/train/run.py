@@ -13,6 +13,7 @@ import torch
 
 from specserve.bench.datasets import load_prompts, mt_bench_questions, read_jsonl_prompts
 from specserve.config import EngineConfig, SpecConfig
+from specserve.engine.factory import resolve_model
 from specserve.models.eagle3 import default_target_layers
 from specserve.models.loader import save_eagle3_head
 from specserve.sampling_params import SamplingParams
@@ -25,10 +26,14 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
 
     out = Path(args.out)
     started = time.time()
-    # The recorder reads every step's tensors in eager mode; speculation stays off while generating.
-    llm = LLM(config=replace(engine_config, spec=SpecConfig(), disable_cuda_graph=True), progress=True)
+    # Speculation stays off while generating. On a GPU, decode steps replay CUDA graphs that also write the
+    # taps and hidden states the recorder keeps; every batch size up to the running limit gets a graph, and
+    # no sequence outgrows --max-len.
+    taps = default_target_layers(resolve_model(engine_config).model_cfg.num_layers)
+    gen_config = replace(engine_config, spec=SpecConfig(), context_length=args.max_len,
+                         cuda_graph_max_bs=engine_config.scheduler.max_running_requests)
+    llm = LLM(config=gen_config, progress=True, record_layers=taps)
     model = llm.engine.runner.model
-    taps = default_target_layers(model.config.num_layers)
     data_dir = out / "data"
     shards = sorted(data_dir.glob("shard-*.safetensors"))
     if not (data_dir / "complete").exists():  # generated once, in full; a resumed run reuses it
@@ -46,10 +51,11 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     generated_at = time.time()
     vocab = model.config.vocab_size
     draft_ids = draft_vocabulary(samples, min(args.draft_vocab_size, vocab), vocab)
-    head = new_head(model, draft_ids, llm.engine.max_model_len, args.seed)
+    # The unrolled steps reach max_len + ttt_steps positions, past the generation's context length.
+    head = new_head(model, draft_ids, model.config.max_position_embeddings, args.seed)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
-                      warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, seed=args.seed,
-                      checkpoint_every=args.checkpoint_every, minutes=args.train_minutes)
+                      warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
+                      seed=args.seed, checkpoint_every=args.checkpoint_every, minutes=args.train_minutes)
     del llm  # and its KV pool: the trainer needs only the model's embedding and lm_head
     gc.collect()
     if torch.cuda.is_available():

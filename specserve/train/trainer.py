@@ -28,6 +28,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     ttt_steps: int = 7  # unroll depth K
+    step_decay: float = 0.8  # unroll step k's loss weighs step_decay**k
     seed: int = 0
     checkpoint_every: int = 200
     # When set, `steps` is fixed at the end of warm-up (whose learning rates do not depend on it) so that the
@@ -167,7 +168,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg)
         with autocast:
-            result = unrolled_loss(self.head, self.embed, self.batch(self.step), self.cfg.ttt_steps)
+            result = unrolled_loss(self.head, self.embed, self.batch(self.step), self.cfg.ttt_steps,
+                                   decay=self.cfg.step_decay)
         self.optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)

@@ -5,7 +5,8 @@ t+1 and predicts token t+2, exactly as a catch-up row does at inference. Step k 
 of step k-1 for the same chain with the embedding of token t+1+k (at position t+k) and predicts token t+k+2.
 Its attention sees the real prefix (step-0 keys at positions <= t) and its own chain's keys of steps 1..k,
 which is what the draft KV holds while drafting. The loss at each step is the forward KL from the target's
-next-token distribution, restricted to the draft vocabulary, to the head's.
+next-token distribution, restricted to the draft vocabulary, to the head's; step k weighs `decay**k`, as in
+the EAGLE-3 reference training, since a late step only counts once every earlier one was accepted.
 
 Only the math lives here: dense tensors [B, T, ...] and a padding mask, no paging.
 """
@@ -29,14 +30,14 @@ class TTTBatch:
 
 @dataclass(frozen=True)
 class TTTResult:
-    loss: torch.Tensor  # scalar, mean over steps of the masked mean KL
+    loss: torch.Tensor  # scalar, the steps' masked mean KLs averaged with weights decay**k
     kl: list[float]  # per unroll step
     accuracy: list[float]  # per unroll step: head argmax == target argmax
     logits: list[torch.Tensor] | None = None  # per step [B, T, Vd], when asked for
 
 
 def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
-                  keep_logits: bool = False) -> TTTResult:
+                  keep_logits: bool = False, decay: float = 1.0) -> TTTResult:
     """`head` is an Eagle3Head (trainable); `embed` the target's frozen token embedding."""
     ids, length = batch.input_ids, batch.input_ids.shape[1]
     hidden = head.fc(batch.taps)
@@ -62,7 +63,9 @@ def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
         losses.append((kl * mask).sum() / denom)
         kls.append(losses[-1].item())
         accs.append((((logits.argmax(-1) == target.argmax(-1)).float() * mask).sum() / denom).item())
-    return TTTResult(torch.stack(losses).mean(), kls, accs, kept if keep_logits else None)
+    weights = decay ** torch.arange(len(losses), dtype=torch.float32, device=ids.device)
+    loss = (torch.stack(losses) * weights).sum() / weights.sum()
+    return TTTResult(loss, kls, accs, kept if keep_logits else None)
 
 
 def _layer(head, embeds, hidden, positions, keys: list, values: list) -> torch.Tensor:
