@@ -44,6 +44,29 @@ def test_packed_linear_matches_f_linear(kernels, out_features, in_features, bias
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, True), (37, 100, False), (3, 24, True)])
+def test_weights_with_bf16_values_stream_as_bf16_and_compute_the_same(kernels, out_features, in_features, bias):
+    """A weight whose values are all bf16 numbers is packed as bf16 and widened in registers: the outputs
+    are bit for bit those of its fp32 packing. Any other weight stays fp32."""
+    torch.manual_seed(1)
+    layer = Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())
+    layer.prepack()
+    assert layer.packed_weight.dtype == torch.bfloat16
+    as_fp32 = kernels.pack(layer.weight.detach())
+    for rows in (1, 2, 5, 8, 9, 23):
+        x = torch.randn(rows, in_features)
+        with torch.no_grad():
+            ours = layer(x)
+        assert torch.equal(ours, kernels.linear(x, as_fp32, out_features, layer.bias))
+        torch.testing.assert_close(ours, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        layer.weight[0, 0] += 1e-3  # no longer a bf16 number
+    layer.prepack()
+    assert layer.packed_weight.dtype == torch.float32
+
+
 def test_linear_with_gradients_keeps_autograd(kernels):
     layer = Linear(16, 8)
     layer.prepack()

@@ -5,6 +5,10 @@
 // columns ([N/8][K][8]), so a panel is one contiguous run; for each panel every block of up to 8 input rows
 // accumulates in registers. Threads split the panels. The math is fp32 FMAs in K order, so results differ
 // from oneDNN's only in rounding.
+//
+// Decode streams every weight once per step, so its speed is the weights' size. A weight whose every value
+// is a bf16 number (a checkpoint stored in bf16, such as a draft head) is packed as bf16 and widened to fp32
+// in registers: exactly the same fp32 values and math, half the bytes.
 #include <immintrin.h>
 #include <omp.h>
 #include <ATen/ATen.h>
@@ -15,6 +19,13 @@ namespace {
 
 constexpr int64_t kPanel = 8;  // output columns per panel: one AVX2 register
 
+// Eight weights of a panel row as fp32: loaded, or widened from bf16 (its bits are an fp32's high half).
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::BFloat16* w) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
 __m256i tail_mask(int64_t valid) {
   alignas(32) int32_t lanes[8];
   for (int i = 0; i < 8; ++i) lanes[i] = i < valid ? -1 : 0;
@@ -24,15 +35,15 @@ __m256i tail_mask(int64_t valid) {
 // One panel times a block of R rows. xt holds the block transposed ([K][R]) so one k reads one cache line.
 // The accumulators are named variables, not an array: GCC keeps an array of __m256 on the stack and stores it
 // every iteration, which made this loop store-bound.
-template <int R>
-void panel_block(const float* xt, int64_t K, const float* w, const float* bias, float* out, int64_t ldo,
+template <int R, typename W>
+void panel_block(const float* xt, int64_t K, const W* w, const float* bias, float* out, int64_t ldo,
                  int64_t valid) {
   const __m256i mask = tail_mask(valid);
   const __m256 init = bias ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps();
   __m256 a0 = init, a1 = init, a2 = init, a3 = init, a4 = init, a5 = init, a6 = init, a7 = init;
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + k * kPanel + 512), _MM_HINT_T0);
-    const __m256 wk = _mm256_loadu_ps(w + k * kPanel);
+    const __m256 wk = load8(w + k * kPanel);
     const float* xk = xt + k * R;
     a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(xk), wk, a0);
     if constexpr (R > 1) a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 1), wk, a1);
@@ -51,7 +62,8 @@ void panel_block(const float* xt, int64_t K, const float* w, const float* bias, 
 }
 
 // A single row: four panels at once, so four independent FMA chains hide the FMA latency.
-void four_panels_one_row(const float* x, int64_t K, const float* w, const float* bias, float* out) {
+template <typename W>
+void four_panels_one_row(const float* x, int64_t K, const W* w, const float* bias, float* out) {
   const int64_t stride = K * kPanel;
   __m256 a0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   __m256 a1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -59,10 +71,10 @@ void four_panels_one_row(const float* x, int64_t K, const float* w, const float*
   __m256 a3 = bias ? _mm256_loadu_ps(bias + 24) : _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 xk = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + k * kPanel), a0);
-    a1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + stride + k * kPanel), a1);
-    a2 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 2 * stride + k * kPanel), a2);
-    a3 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 3 * stride + k * kPanel), a3);
+    a0 = _mm256_fmadd_ps(xk, load8(w + k * kPanel), a0);
+    a1 = _mm256_fmadd_ps(xk, load8(w + stride + k * kPanel), a1);
+    a2 = _mm256_fmadd_ps(xk, load8(w + 2 * stride + k * kPanel), a2);
+    a3 = _mm256_fmadd_ps(xk, load8(w + 3 * stride + k * kPanel), a3);
   }
   _mm256_storeu_ps(out, a0);
   _mm256_storeu_ps(out + 8, a1);
@@ -70,7 +82,8 @@ void four_panels_one_row(const float* x, int64_t K, const float* w, const float*
   _mm256_storeu_ps(out + 24, a3);
 }
 
-void rows(int64_t R, const float* xt, int64_t K, const float* w, const float* b, float* o, int64_t ldo, int64_t v) {
+template <typename W>
+void rows(int64_t R, const float* xt, int64_t K, const W* w, const float* b, float* o, int64_t ldo, int64_t v) {
   switch (R) {
     case 1: return panel_block<1>(xt, K, w, b, o, ldo, v);
     case 2: return panel_block<2>(xt, K, w, b, o, ldo, v);
@@ -83,33 +96,10 @@ void rows(int64_t R, const float* xt, int64_t K, const float* w, const float* b,
   }
 }
 
-}  // namespace
-
-// [N, K] -> [ceil(N/8), K, 8], zero-padded past N.
-at::Tensor pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: a 2-D fp32 weight");
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto padded = at::zeros({panels * kPanel, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
-}
-
-at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
-                     const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "linear: a 2-D fp32 input");
-  const auto x = input.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel && panels * kPanel >= N, "linear: packed shape");
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == N &&
-                                    bias->scalar_type() == at::kFloat), "linear: an fp32 bias of out_features");
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  const float* xd = x.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
+template <typename W>
+void packed_gemm(const float* xd, int64_t M, int64_t K, const W* w, int64_t panels, const float* b, float* o,
+                 int64_t N, float* xt) {
   auto valid = [N](int64_t p) { return std::min(kPanel, N - p * kPanel); };
-
   if (M == 1) {
 #pragma omp parallel
     {
@@ -121,11 +111,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
       for (; p < end; ++p)
         rows(1, xd, K, w + p * K * kPanel, b ? b + p * kPanel : nullptr, o + p * kPanel, N, valid(p));
     }
-    return out;
+    return;
   }
   // Rows in blocks of 8, each block transposed to [K][R].
-  auto blocks = at::empty({M * K}, x.options());
-  float* xt = blocks.data_ptr<float>();
   for (int64_t start = 0; start < M; start += kPanel) {
     const int64_t R = std::min(kPanel, M - start);
     for (int64_t r = 0; r < R; ++r)
@@ -139,5 +127,39 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
         rows(std::min(kPanel, M - start), xt + start * K, K, w + p * K * kPanel, b ? b + p * kPanel : nullptr,
              o + start * N + p * kPanel, N, valid(p));
   }
+}
+
+}  // namespace
+
+// [N, K] -> [ceil(N/8), K, 8], zero-padded past N, in the weight's dtype (fp32, or bf16 for bf16 values).
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "pack: a 2-D fp32 or bf16 weight");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  auto padded = at::zeros({panels * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2, "linear: a 2-D fp32 input");
+  const auto x = input.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == K && packed.size(2) == kPanel &&
+              panels * kPanel >= N, "linear: packed shape");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16, "linear: packed dtype");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == N &&
+                                    bias->scalar_type() == at::kFloat), "linear: an fp32 bias of out_features");
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto blocks = at::empty({M > 1 ? M * K : 0}, x.options());
+  if (packed.scalar_type() == at::kBFloat16)
+    packed_gemm(x.data_ptr<float>(), M, K, packed.data_ptr<at::BFloat16>(), panels, b, out.data_ptr<float>(), N,
+                blocks.data_ptr<float>());
+  else
+    packed_gemm(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, b, out.data_ptr<float>(), N,
+                blocks.data_ptr<float>());
   return out;
 }

@@ -1,0 +1,155 @@
+"""The default server (`specserve serve`, which drafts with the bundled EAGLE-3 head) against the same server
+with speculation off, one request at a time, greedy, on MT-Bench first turns.
+
+Both servers run side by side and take turns, prompt by prompt (the order flips every prompt), so a slow
+spell of a shared machine lands on both alike; two runs measured back to back minutes apart differed by up
+to 25 % on the same side. Writes JSON and a PNG of per-prompt decode speeds to benchmarks/results.
+
+    python benchmarks/default_server_cpu.py [--num-prompts 24] [--default-flags "--speculative-num-steps 5"]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from specserve.bench.datasets import mt_bench_first_turns
+from specserve.bench.serving import LoadSettings, _one, make_client, probe
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def start_server(port: int, flags: list[str], log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), *flags]
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 900) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server on port {port} exited with {server.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the server on port {port} did not come up")
+
+
+def summarize(results) -> dict:
+    decode_s = sum(r.latency - r.ttft for r in results)
+    steps = sum(r.spec_steps for r in results)
+    return {
+        "requests": len(results),
+        "output_tokens": sum(r.output_tokens for r in results),
+        "output_tok_s": sum(r.output_tokens for r in results) / sum(r.latency for r in results),
+        "decode_tok_s": sum(r.output_tokens - 1 for r in results) / decode_s,
+        "ttft_ms_median": 1000 * statistics.median(r.ttft for r in results),
+        "mean_acceptance_length": (steps + sum(r.spec_accepted for r in results)) / steps if steps else None,
+    }
+
+
+async def run(args) -> dict:
+    labels = ("spec-off", "default")
+    ports = (args.port, args.port + 1)
+    flags = (["--speculative-algorithm", "NONE"], shlex.split(args.default_flags))
+    servers = [start_server(port, f, Path(f"/tmp/specserve-{label}.log"))
+               for port, f, label in zip(ports, flags, labels)]
+    try:
+        for port, server in zip(ports, servers):
+            wait_healthy(port, server)
+        clients = [make_client(f"http://127.0.0.1:{port}", None, 1, 600) for port in ports]
+        model = probe(f"http://127.0.0.1:{ports[0]}", None)[0]
+        settings = LoadSettings("chat", model, args.max_tokens, 0.0, False)
+        prompts = mt_bench_first_turns()[: args.num_prompts]
+        for client in clients:  # warm-up: first-call allocations, kernel selection
+            await _one(client, prompts[0], LoadSettings("chat", model, 16, 0.0, False))
+        results: dict[str, list] = {label: [] for label in labels}
+        for i, prompt in enumerate(prompts):
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for side in order:
+                result = await _one(clients[side], prompt, settings)
+                if not result.ok:
+                    raise RuntimeError(f"{labels[side]}: {result.error}")
+                results[labels[side]].append(result)
+            off, on = results["spec-off"][-1], results["default"][-1]
+            print(f"prompt {i}: {off.output_tokens} / {on.output_tokens} tokens, decode "
+                  f"{(off.output_tokens - 1) / (off.latency - off.ttft):.1f} / "
+                  f"{(on.output_tokens - 1) / (on.latency - on.ttft):.1f} tok/s", flush=True)
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(timeout=60)
+    summary = {label: summarize(rs) for label, rs in results.items()}
+    per_prompt = [((b.output_tokens - 1) / (b.latency - b.ttft)) / ((a.output_tokens - 1) / (a.latency - a.ttft))
+                  for a, b in zip(results["spec-off"], results["default"])]
+    return {
+        "benchmark": "default_server_cpu", "dataset": "mt-bench first turns", "max_tokens": args.max_tokens,
+        "default_flags": args.default_flags, "cpu": platform.processor() or platform.machine(),
+        "summary": summary,
+        "decode_speedup": summary["default"]["decode_tok_s"] / summary["spec-off"]["decode_tok_s"],
+        "output_speedup": summary["default"]["output_tok_s"] / summary["spec-off"]["output_tok_s"],
+        "per_prompt_decode_speedup": {"median": statistics.median(per_prompt), "min": min(per_prompt),
+                                      "max": max(per_prompt)},
+        "per_prompt": [{"prompt": i, **{label: {"output_tokens": rs[i].output_tokens,
+                                                "latency_s": rs[i].latency, "ttft_s": rs[i].ttft,
+                                                "spec_steps": rs[i].spec_steps}
+                                        for label, rs in results.items()}}
+                       for i in range(len(per_prompt))],
+    }
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["per_prompt"]
+    speeds = {label: [(r[label]["output_tokens"] - 1) / (r[label]["latency_s"] - r[label]["ttft_s"]) for r in rows]
+              for label in ("spec-off", "default")}
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.4
+    for shift, (label, values) in zip((-width / 2, width / 2), speeds.items()):
+        ax.bar([i + shift for i in range(len(values))], values, width, label=label)
+    ax.set_xlabel("MT-Bench first turn")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"default server vs speculation off, batch 1, 2-core CPU: "
+                 f"{report['decode_speedup']:.2f}x decode, interleaved")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--port", type=int, default=30556)
+    parser.add_argument("--default-flags", default="", help="extra flags for the speculating server")
+    parser.add_argument("--out", default=str(RESULTS / "default_server_cpu.json"))
+    args = parser.parse_args()
+    report = asyncio.run(run(args))
+    out = Path(args.out)
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    s = report["summary"]
+    print(f"decode {s['spec-off']['decode_tok_s']:.1f} -> {s['default']['decode_tok_s']:.1f} tok/s "
+          f"({report['decode_speedup']:.2f}x), output {report['output_speedup']:.2f}x, "
+          f"tau {s['default']['mean_acceptance_length']}")
+
+
+if __name__ == "__main__":
+    main()
