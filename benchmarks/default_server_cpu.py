@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
+import os
 import shlex
 import statistics
 import subprocess
@@ -23,14 +23,27 @@ from pathlib import Path
 import httpx
 
 from specserve.bench.datasets import mt_bench_first_turns
-from specserve.bench.serving import LoadSettings, _one, make_client, probe
+from specserve.bench.serving import LoadSettings, make_client, probe
+from specserve.bench.serving import _one as one_request
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def start_server(port: int, flags: list[str], log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), *flags]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    with log.open("w") as sink:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
+    return f"{os.cpu_count()} logical cores"
+
+
+def decode_tok_s(result) -> float:
+    return (result.output_tokens - 1) / max(result.latency - result.ttft, 1e-9)
 
 
 def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 900) -> None:
@@ -64,9 +77,10 @@ async def run(args) -> dict:
     labels = ("spec-off", "default")
     ports = (args.port, args.port + 1)
     flags = (["--speculative-algorithm", "NONE"], shlex.split(args.default_flags))
-    servers = [start_server(port, f, Path(f"/tmp/specserve-{label}.log"))
-               for port, f, label in zip(ports, flags, labels)]
+    servers = []
     try:
+        for port, f, label in zip(ports, flags, labels):
+            servers.append(start_server(port, f, Path(f"/tmp/specserve-{label}.log")))
         for port, server in zip(ports, servers):
             wait_healthy(port, server)
         clients = [make_client(f"http://127.0.0.1:{port}", None, 1, 600) for port in ports]
@@ -74,30 +88,34 @@ async def run(args) -> dict:
         settings = LoadSettings("chat", model, args.max_tokens, 0.0, False)
         prompts = mt_bench_first_turns()[: args.num_prompts]
         for client in clients:  # warm-up: first-call allocations, kernel selection
-            await _one(client, prompts[0], LoadSettings("chat", model, 16, 0.0, False))
+            await one_request(client, prompts[0], LoadSettings("chat", model, 16, 0.0, False))
         results: dict[str, list] = {label: [] for label in labels}
         for i, prompt in enumerate(prompts):
             order = (0, 1) if i % 2 == 0 else (1, 0)
             for side in order:
-                result = await _one(clients[side], prompt, settings)
+                result = await one_request(clients[side], prompt, settings)
                 if not result.ok:
                     raise RuntimeError(f"{labels[side]}: {result.error}")
                 results[labels[side]].append(result)
             off, on = results["spec-off"][-1], results["default"][-1]
             print(f"prompt {i}: {off.output_tokens} / {on.output_tokens} tokens, decode "
-                  f"{(off.output_tokens - 1) / (off.latency - off.ttft):.1f} / "
-                  f"{(on.output_tokens - 1) / (on.latency - on.ttft):.1f} tok/s", flush=True)
+                  f"{decode_tok_s(off):.1f} / {decode_tok_s(on):.1f} tok/s", flush=True)
     finally:
         for server in servers:
             server.terminate()
         for server in servers:
-            server.wait(timeout=60)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
     summary = {label: summarize(rs) for label, rs in results.items()}
-    per_prompt = [((b.output_tokens - 1) / (b.latency - b.ttft)) / ((a.output_tokens - 1) / (a.latency - a.ttft))
-                  for a, b in zip(results["spec-off"], results["default"])]
+    per_prompt = [decode_tok_s(b) / decode_tok_s(a) for a, b in zip(results["spec-off"], results["default"])
+                  if a.output_tokens > 1]
     return {
         "benchmark": "default_server_cpu", "dataset": "mt-bench first turns", "max_tokens": args.max_tokens,
-        "default_flags": args.default_flags, "cpu": platform.processor() or platform.machine(),
+        "default_flags": args.default_flags, "cpu": cpu_name(),
+        "same_token_counts": all(a.output_tokens == b.output_tokens
+                                 for a, b in zip(results["spec-off"], results["default"])),
         "summary": summary,
         "decode_speedup": summary["default"]["decode_tok_s"] / summary["spec-off"]["decode_tok_s"],
         "output_speedup": summary["default"]["output_tok_s"] / summary["spec-off"]["output_tok_s"],
@@ -107,7 +125,7 @@ async def run(args) -> dict:
                                                 "latency_s": rs[i].latency, "ttft_s": rs[i].ttft,
                                                 "spec_steps": rs[i].spec_steps}
                                         for label, rs in results.items()}}
-                       for i in range(len(per_prompt))],
+                       for i in range(len(prompts))],
     }
 
 
@@ -126,8 +144,8 @@ def plot(report: dict, path: Path) -> None:
         ax.bar([i + shift for i in range(len(values))], values, width, label=label)
     ax.set_xlabel("MT-Bench first turn")
     ax.set_ylabel("decode tok/s")
-    ax.set_title(f"default server vs speculation off, batch 1, 2-core CPU: "
-                 f"{report['decode_speedup']:.2f}x decode, interleaved")
+    ax.set_title(f"default server vs speculation off, batch 1, {report['cpu']}: "
+                 f"{report['decode_speedup']:.2f}x decode, interleaved", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -27,12 +27,17 @@ job() {
   python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype float32 --draft $T/head \
     --data mt-bench --concurrency 80 --max-tokens 256 --out $T/eval_mtbench_h200.json
   python3 -m specserve.cli bench decode --model-path "$model" --device cuda --dtype bfloat16 \
-    --batch-sizes 1 64 --prompt-len 128 --output-len 128 --repeats 2 --out $T/decode_smollm2_h200.json
+    --batch-sizes 1 64 --prompt-len 128 --output-len 128 --repeats 2 --chunked-prefill-size 16384 \
+    --out $T/decode_smollm2_h200.json
+  # Batch 1 in bf16: the chain steps as CUDA graphs, the tree through the eager search.
+  python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype bfloat16 --draft $T/head \
+    --data mt-bench --num-questions 10 --concurrency 1 --chain-steps 3 --tree 2 3 6 --max-tokens 256 \
+    --out $T/eval_mtbench10_h200_bs1.json
 }
 
 collect() {
   [[ -e $T/head_done ]] && cp $T/head/*.safetensors $T/head/*.json "$OUT"/ 2>/dev/null
-  cp $T/eval_mtbench_h200.json $T/decode_smollm2_h200.json "$OUT"/ 2>/dev/null
+  cp $T/eval_mtbench_h200.json $T/decode_smollm2_h200.json $T/eval_mtbench10_h200_bs1.json "$OUT"/ 2>/dev/null
   tr '\r' '\n' < $T/job.log | grep -v -i warn > "$OUT/job.log"
   tail -25 "$OUT/job.log"
 }
@@ -46,7 +51,7 @@ wait_job() {
 
 stage() {
   mkdir -p $T
-  cp "$1"/gguf.part* $T/
+  cp "$1"/gguf.part* $T/ || exit 1
   if ls "$1"/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl
   fi
@@ -58,10 +63,12 @@ case ${1:-} in
   stage) stage "$2" ;;
   launch)
     stage "$2"
-    cat $T/gguf.part? > $T/smollm2.gguf && sha256sum $T/smollm2.gguf
+    cat $T/gguf.part? > $T/smollm2.gguf
+    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $T/smollm2.gguf" | sha256sum -c || exit 1
     mkdir -p $T/src && cp -r specserve benchmarks tests $T/src/
     setsid nohup bash -c "bash $T/src/benchmarks/train_smollm2_h200.sh job > $T/job.log 2>&1; echo \$? > $T/finished" > /dev/null 2>&1 < /dev/null &
-    # The GPU tests take tiny models and little of the GPU; they run while the job generates and trains.
+    # The GPU tests take tiny models and little of the GPU; they run while the job generates and trains
+    # (so the generation time in the report was measured beside them).
     (cd $T/src && python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | grep -v DEBUG > "$OUT/gpu_tests.log")
     tail -5 "$OUT/gpu_tests.log"
     wait_job "${3:-420}"

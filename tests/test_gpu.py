@@ -206,7 +206,7 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
 
 def test_training_data_recorded_through_graphs_equals_eager_recording(tiny_checkpoint, tmp_path):
     """Datagen on a GPU replays decode graphs that also write the taps and hidden states; the samples
-    equal those recorded with graphs off (fp32)."""
+    equal those recorded with graphs off (an fp32 model; the rows are stored in bf16)."""
     from test_train_draft import _assert_same_samples, _recorded_samples
 
     path = tiny_checkpoint("llama")

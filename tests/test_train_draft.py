@@ -292,3 +292,24 @@ def test_recorded_samples_survive_preemption_and_chunking(tiny_checkpoint, tmp_p
     for s in roomy:
         assert s.taps.shape == (len(s.input_ids), 2 * 64) and not s.taps[-1].any() and not s.hidden[-1].any()
         assert s.taps[:-1].abs().sum(-1).min() > 0  # no position left unrecorded
+
+
+def test_assembling_recorded_chunks():
+    """Decode chunks that tile the sequence, a row computed one past the end (an overlapped step), chunks
+    recomputed after preemption that overlap the rest, and a gap: rows land at their positions, a gap and the
+    last position stay zero."""
+    from specserve.train.datagen import _assemble
+
+    rows = torch.arange(1.0, 9.0)[:, None].repeat(1, 3)  # position p holds p + 1
+
+    def chunk(start, end):
+        return start, rows[start:end]
+
+    expected = rows[:6].clone()
+    expected[5] = 0
+    assert torch.equal(_assemble([chunk(0, 3), chunk(3, 4), chunk(4, 5)], 6), expected)  # the last: never computed
+    assert torch.equal(_assemble([chunk(0, 3), chunk(3, 4), chunk(4, 5), chunk(5, 6), chunk(6, 7)], 6), expected)
+    assert torch.equal(_assemble([chunk(0, 2), chunk(0, 4), chunk(2, 3), chunk(4, 6)], 6), expected)  # overlap
+    gap = expected.clone()
+    gap[2:4] = 0
+    assert torch.equal(_assemble([chunk(0, 2), chunk(4, 6)], 6), gap)

@@ -141,6 +141,9 @@ class DecodeGraphs:
         self._last_shape = (bs, n)
         return self.logits[(bs, n)][:b]
 
-    def recorded(self, b: int) -> torch.Tensor:
-        """The last replay's recorded rows [b, (len(record_layers) + 1) * H]: a view the next replay overwrites."""
-        return self.records[self._last_shape][:b]
+    def recorded(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last replay's taps [b, len(record_layers) * H] and final hidden states [b, H]: views of buffers
+        the next replay overwrites."""
+        rows = self.records[self._last_shape][:b]
+        width = self.model.config.hidden_size
+        return rows[:, :-width], rows[:, -width:]

@@ -82,9 +82,7 @@ class ModelRunner:
                 if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
                     self.proposer.extend_drafter(batch)
                 if self.recorder is not None:
-                    rows = self.graphs.recorded(len(seqs))
-                    width = self.model.config.hidden_size
-                    self.recorder.record(seqs, rows[:, :-width], rows[:, -width:])
+                    self.recorder.record(seqs, *self.graphs.recorded(len(seqs)))
             with self.timer.phase("sample"):
                 return self._sample_plain(seqs, logits.float(), publish)
         with self.timer.phase("prepare"):

@@ -34,7 +34,9 @@ class Sample:
 
 class TapRecorder:
     """Hooked into the runner: keeps every computed token's taps and hidden state, by request and position.
-    Rows stay on the device they were computed on until a sample is written out."""
+    Rows stay on the device they were computed on until a sample is written out, so a shard's worth must fit
+    beside the KV pool: (len(layers) + 1) x H x 2 bytes per token, 4.6 KB for SmolLM2, 32 KB for an 8B model;
+    size --gen-batch to match."""
 
     def __init__(self, capture_layers: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> None:
         self.capture_layers = tuple(capture_layers)
@@ -56,14 +58,14 @@ class TapRecorder:
     def take(self, request_id: str, token_ids: list[int], prompt_len: int) -> Sample:
         chunks = sorted(self.chunks.pop(request_id).items())
         n = len(token_ids)
-        taps, hidden = _assemble([(start, t) for start, (t, _) in chunks], n), \
-            _assemble([(start, h) for start, (_, h) in chunks], n)
+        taps = _assemble([(start, t) for start, (t, _) in chunks], n)
+        hidden = _assemble([(start, h) for start, (_, h) in chunks], n)
         mask = torch.zeros(n, dtype=torch.uint8)
         mask[prompt_len - 1:n - 1] = 1
         return Sample(torch.tensor(token_ids), taps.cpu(), hidden.cpu(), mask)
 
     def clear(self) -> None:
-        """Drops rows of requests never taken (an overlapped step computes one token past the end)."""
+        """Drops rows of requests that were never taken, so a failed or partial batch cannot pile them up."""
         self.chunks.clear()
 
 

@@ -27,8 +27,8 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     out = Path(args.out)
     started = time.time()
     # Speculation stays off while generating. On a GPU, decode steps replay CUDA graphs that also write the
-    # taps and hidden states the recorder keeps; every batch size up to the running limit gets a graph, and
-    # no sequence outgrows --max-len.
+    # taps and hidden states the recorder keeps; every batch size up to the running limit gets a graph (the
+    # graphs' logits buffers grow with it: ~10 GB for SmolLM2 at 1024), and no sequence outgrows --max-len.
     taps = default_target_layers(resolve_model(engine_config).model_cfg.num_layers)
     gen_config = replace(engine_config, spec=SpecConfig(), context_length=args.max_len,
                          cuda_graph_max_bs=engine_config.scheduler.max_running_requests)
@@ -41,7 +41,8 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
             partial.unlink()
         prompts = [llm.chat_prompt(p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
         # Training sees max_len tokens of a sample, so a prompt that leaves no room for its answer is useless.
-        prompts = [p for p in prompts if len(p) + args.max_tokens <= args.max_len]
+        room = min(args.max_len, llm.engine.max_model_len)  # a target with fewer positions caps --max-len
+        prompts = [p for p in prompts if len(p) + args.max_tokens <= room]
         if not prompts:
             raise ValueError(f"every prompt is longer than --max-len {args.max_len} minus --max-tokens")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -132,7 +133,8 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
         row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
     report = {"command": "specserve eval-draft", "draft": args.draft, "data": args.data,
               "num_conversations": len(conversations), "max_tokens": args.max_tokens,
-              "concurrency": args.concurrency, "device": str(llm.engine.runner.device), "results": rows}
+              "concurrency": args.concurrency, "device": str(llm.engine.runner.device),
+              "dtype": str(next(llm.engine.runner.model.parameters()).dtype), "results": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return report

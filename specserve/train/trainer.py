@@ -36,6 +36,8 @@ class TrainConfig:
     minutes: float | None = None
 
     def __post_init__(self) -> None:
+        if self.step_decay <= 0:
+            raise ValueError("step_decay must be positive")
         if self.minutes is not None and self.warmup_steps < 5:
             raise ValueError("a time-budgeted run measures its speed during warm-up: use at least 5 warm-up steps")
 

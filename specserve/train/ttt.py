@@ -5,8 +5,9 @@ t+1 and predicts token t+2, exactly as a catch-up row does at inference. Step k 
 of step k-1 for the same chain with the embedding of token t+1+k (at position t+k) and predicts token t+k+2.
 Its attention sees the real prefix (step-0 keys at positions <= t) and its own chain's keys of steps 1..k,
 which is what the draft KV holds while drafting. The loss at each step is the forward KL from the target's
-next-token distribution, restricted to the draft vocabulary, to the head's; step k weighs `decay**k`, as in
-the EAGLE-3 reference training, since a late step only counts once every earlier one was accepted.
+next-token distribution, restricted to the draft vocabulary, to the head's; step k weighs `decay**k` (the
+EAGLE-3 reference training's weights, here divided by their sum so the loss stays a mean), since a late step
+only counts once every earlier one was accepted.
 
 Only the math lives here: dense tensors [B, T, ...] and a padding mask, no paging.
 """

@@ -147,7 +147,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   const auto x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == K && packed.size(2) == kPanel &&
-              panels * kPanel >= N, "linear: packed shape");
+              panels == (N + kPanel - 1) / kPanel, "linear: packed shape");
   TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16, "linear: packed dtype");
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == N &&
                                     bias->scalar_type() == at::kFloat), "linear: an fp32 bias of out_features");
