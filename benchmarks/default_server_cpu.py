@@ -43,7 +43,7 @@ def cpu_name() -> str:
 
 
 def decode_tok_s(result) -> float:
-    return (result.output_tokens - 1) / max(result.latency - result.ttft, 1e-9)
+    return 1 / result.tpot
 
 
 def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 900) -> None:
@@ -98,8 +98,9 @@ async def run(args) -> dict:
                     raise RuntimeError(f"{labels[side]}: {result.error}")
                 results[labels[side]].append(result)
             off, on = results["spec-off"][-1], results["default"][-1]
-            print(f"prompt {i}: {off.output_tokens} / {on.output_tokens} tokens, decode "
-                  f"{decode_tok_s(off):.1f} / {decode_tok_s(on):.1f} tok/s", flush=True)
+            if off.tpot and on.tpot:
+                print(f"prompt {i}: {off.output_tokens} / {on.output_tokens} tokens, decode "
+                      f"{decode_tok_s(off):.1f} / {decode_tok_s(on):.1f} tok/s", flush=True)
     finally:
         for server in servers:
             server.terminate()
@@ -110,7 +111,7 @@ async def run(args) -> dict:
                 server.kill()
     summary = {label: summarize(rs) for label, rs in results.items()}
     per_prompt = [decode_tok_s(b) / decode_tok_s(a) for a, b in zip(results["spec-off"], results["default"])
-                  if a.output_tokens > 1]
+                  if a.tpot and b.tpot]
     return {
         "benchmark": "default_server_cpu", "dataset": "mt-bench first turns", "max_tokens": args.max_tokens,
         "default_flags": args.default_flags, "cpu": cpu_name(),

@@ -82,7 +82,8 @@ class ModelRunner:
                 if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
                     self.proposer.extend_drafter(batch)
                 if self.recorder is not None:
-                    self.recorder.record(seqs, *self.graphs.recorded(len(seqs)))
+                    taps, hidden = self.graphs.recorded(len(seqs))
+                    self.recorder.record(seqs, [taps], hidden)
             with self.timer.phase("sample"):
                 return self._sample_plain(seqs, logits.float(), publish)
         with self.timer.phase("prepare"):
@@ -96,7 +97,7 @@ class ModelRunner:
                 self.proposer.observe(captured, meta.slot_mapping)
                 self.proposer.extend_drafter(batch)
             if self.recorder is not None:
-                self.recorder.record(seqs, torch.cat(captured, dim=-1), hidden)
+                self.recorder.record(seqs, captured, hidden)
         with self.timer.phase("sample"):
             ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
             # Logit rows: the last row of a plain sequence; every tree node of a speculating one.

@@ -43,10 +43,10 @@ class TapRecorder:
         self.dtype = dtype
         self.chunks: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def record(self, seqs, taps: torch.Tensor, hidden: torch.Tensor) -> None:
-        """`taps` [rows, len(layers) * H] and `hidden` [rows, H], the seqs' tokens in order. Copied: a
-        CUDA graph's output buffers are overwritten by its next replay."""
-        taps, hidden = taps.to(self.dtype, copy=True), hidden.to(self.dtype, copy=True)
+    def record(self, seqs, captured: list[torch.Tensor], hidden: torch.Tensor) -> None:
+        """The tapped layers' outputs ([rows, H] each) and `hidden` [rows, H], the seqs' tokens in order.
+        Copied (the cat always copies): a CUDA graph's output buffers are overwritten by its next replay."""
+        taps, hidden = torch.cat(captured, dim=-1).to(self.dtype), hidden.to(self.dtype, copy=True)
         offset = 0
         for seq in seqs:
             n = len(seq.token_ids)
