@@ -6,7 +6,9 @@
 # and prefill steps (benchmarks/profile_gpu_step.py), and the GPU's idle time at C = 250 (benchmarks/gpu_idle.py).
 # specsweep: the offline sweep again with an EAGLE-3 chain (3 drafts, simulated tau 3) and a tree (top-4, 5 levels,
 # 16 drafts, simulated tau 4), random head of the target's shape.
-# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep] [tax] [profile] [idle]   (none: all)
+# smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
+# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep] [tax] [profile] [smol] [gemv_ab] [idle]
+#        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -56,6 +58,20 @@ if want tax; then
 fi
 if want profile; then
   python3 benchmarks/profile_gpu_step.py --out "$OUT/profile_gpu_step_h200.json" > "$OUT/profile.log" 2>&1
+fi
+if want smol; then
+  # SmolLM2-135M's shape with random bf16 weights: decode speed does not depend on the weights' values.
+  python3 -m specserve.cli bench decode --device cuda --model-path smollm2-135m --load-format dummy --dtype bfloat16 \
+    --batch-sizes 1 64 --prompt-len 128 --output-len 128 --repeats 2 --chunked-prefill-size 16384 \
+    --out "$OUT/decode_smollm2_shape_h200.json"
+fi
+if want gemv_ab; then
+  # The same batch-1 decode with the Triton GEMV off (cuBLAS for every matmul) and on.
+  for gemv in 0 1; do
+    SPECSERVE_TRITON_GEMV=$gemv python3 -m specserve.cli bench decode --device cuda --model-path llama-3.1-8b \
+      --load-format dummy --dtype bfloat16 --context-length 2048 --prompt-len 512 --output-len 128 --repeats 2 \
+      --batch-sizes 1 4 --no-hf --out "$OUT/decode_gpu_8b_gemv$gemv.json"
+  done
 fi
 if want idle; then
   python3 benchmarks/gpu_idle.py --out "$OUT/gpu_idle_h200.json"

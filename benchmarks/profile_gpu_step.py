@@ -1,8 +1,8 @@
-"""Where a GPU step's time goes, kernel by kernel: Llama-3.1-8B shape, random bf16 weights, one GPU.
+"""Where a GPU step's time goes, kernel by kernel: Llama-3.1-8B shape (or --model), random bf16 weights, one GPU.
 
 Times back-to-back CUDA-graph replays of a decode step (no host work in between, so this is the device's
-floor for that step) at a few batch sizes, a prefill chunk run eagerly, and plain bf16 matrix-vector products
-of the model's weight shapes against the copy bandwidth. Prints the top kernels of each under torch.profiler.
+floor for that step) at a few batch sizes, a prefill chunk run eagerly, and bf16 matrix-vector products of the
+model's weight shapes, cuBLAS and the Triton GEMV, against the copy bandwidth. Prints the top kernels of each under torch.profiler.
 
     python benchmarks/profile_gpu_step.py --out benchmarks/results/profile_gpu_step_h200.json
 """
@@ -84,12 +84,18 @@ def gemv_bandwidth(model) -> list[dict]:
     copy_dst = torch.empty_like(copy_src)
     copy_gb_s = 2 * copy_src.numel() / cuda_ms(lambda: copy_dst.copy_(copy_src), 20) / 1e6
     rows = [{"what": "copy 1 GiB", "gb_s": round(copy_gb_s)}]
+    from specserve.layers import triton_gemv
+
     for name, weight in shapes.items():
         for m in (1, 4, 16):
             x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device="cuda")
-            ms = cuda_ms(lambda: torch.nn.functional.linear(x, weight), 50)
-            rows.append({"what": f"{name} {tuple(weight.shape)} M={m}", "us": round(ms * 1e3, 1),
-                         "gb_s": round(weight.numel() * weight.element_size() / ms / 1e6)})
+            row = {"what": f"{name} {tuple(weight.shape)} M={m}"}
+            for label, fn in (("cublas", torch.nn.functional.linear), ("triton", triton_gemv.gemv)):
+                ms = cuda_ms(lambda: fn(x, weight), 50)
+                row |= {f"{label}_us": round(ms * 1e3, 1),
+                        f"{label}_gb_s": round(weight.numel() * weight.element_size() / ms / 1e6)}
+            row["triton_config"] = str(triton_gemv._gemv_kernel.best_config)
+            rows.append(row)
     return rows
 
 
@@ -98,14 +104,15 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--context", type=int, default=640)
+    p.add_argument("--model", default="llama-3.1-8b", help="a shipped config name (dummy bf16 weights)")
     args = p.parse_args()
-    config = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+    config = EngineConfig(model_path=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
                           context_length=2048, cache=CacheConfig(max_total_tokens=300_000),
                           scheduler=SchedulerConfig(chunked_prefill_size=16384))
     engine, _ = build_engine_core(config, progress=False)
     runner, page_size = engine.runner, config.cache.page_size
     report = {"benchmark": "profile_gpu_step", "hardware": hardware_info(),
-              "model": "llama-3.1-8b shape, dummy bf16 weights", "gemv": gemv_bandwidth(runner.model),
+              "model": f"{args.model} shape, dummy bf16 weights", "gemv": gemv_bandwidth(runner.model),
               "decode": [decode_replays(runner, b, args.context, page_size) for b in args.batch_sizes],
               "prefill": prefill_chunk(runner.model, runner.kv_cache, 32, 512, page_size)}
     print(json.dumps(report, indent=1))

@@ -218,3 +218,53 @@ def test_training_data_recorded_through_graphs_equals_eager_recording(tiny_check
         assert disable or engine.runner.graphs.num_replays > 0
         runs.append(samples)
     _assert_same_samples(runs[0], runs[1], 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rotary_store_match_the_eager_math(dtype):
+    """The residual add folded into RMSNorm, and the KV store folded into rotary, against the unfused math."""
+    from specserve.layers import pointwise, triton_pointwise
+    from specserve.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    x, res = (torch.randn(7, 576, device="cuda", dtype=dtype) for _ in range(2))
+    weight = torch.rand(576, device="cuda", dtype=dtype) + 0.5
+    normed, summed = triton_pointwise.rms_norm(x, weight, 1e-5, res)
+    expected_sum = x + res
+    xf = expected_sum.float()
+    expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(summed, expected_sum)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(normed, expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(triton_pointwise.rms_norm(x, weight, 1e-5), pointwise._EAGER["rms_norm"](
+        x.cpu(), weight.cpu(), 1e-5).cuda(), atol=tolerance, rtol=tolerance)
+
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5  # head counts that are not powers of two
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    cache = torch.zeros(2, 40, kv_heads, dim, device="cuda", dtype=dtype)
+    positions = torch.tensor([0, 3, 100, 7, 2], device="cuda")
+    slots = torch.tensor([39, 1, 17, 5, 0], device="cuda")
+    cos_sin = RotaryEmbedding(dim, 128, 10000.0, None).cos_sin.cuda()
+    q_rot, k_rot = triton_pointwise.rotary_store(positions, cos_sin, q, k, v, cache, slots)
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    expected_q, expected_k = pointwise._rotate(q, cos, sin), pointwise._rotate(k, cos, sin)
+    assert torch.equal(q_rot, expected_q) and torch.equal(k_rot, expected_k)
+    assert torch.equal(cache[0, slots], expected_k) and torch.equal(cache[1, slots], v)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not cache[:, untouched.cuda()].any()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (4096, 4096), (1000, 200)])
+def test_triton_gemv_matches_cublas(rows, shape):
+    from specserve.layers import triton_gemv
+
+    torch.manual_seed(rows)
+    weight = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5
+    x = torch.randn(rows, shape[1], device="cuda", dtype=torch.bfloat16)
+    ours = triton_gemv.gemv(x, weight).float()
+    reference = x.float() @ weight.float().T
+    torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
+    assert isinstance(triton_gemv.choice.use_triton(x, weight), bool)

@@ -166,6 +166,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    """Writes this step's k and v to their slots, then attends."""
     if kv_cache.is_cuda:
         from specserve.layers.triton_pointwise import store_kv  # one launch for both, where Triton runs
 
@@ -173,6 +174,12 @@ def paged_attention(
     else:
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+    return attend(q, k, v, kv_cache, meta, scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float) -> torch.Tensor:
+    """Attention of q [T, H, D] over the cache, whose slots already hold this step's k and v. [T, H * D]."""
     if meta.block_tables is not None:
         from specserve.layers.triton_attention import paged_decode_attention
 

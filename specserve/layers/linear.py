@@ -5,15 +5,21 @@ PyTorch's default fp32 GEMM re-lays-out the weight at every call, which dominate
 weights). Packing at load keeps fp32 math and cuts that cost; the hand-written kernel (cpu_kernels.py)
 cuts it again, and oneDNN is the fallback where that kernel cannot be built. A weight whose values are all
 bf16 numbers (loaded from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
-GPUs and other dtypes use plain `F.linear`.
+On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for the weight
+shapes where it measured faster than cuBLAS; everything else uses plain `F.linear`.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers import cpu_kernels
+
+# SPECSERVE_TRITON_GEMV=0 keeps cuBLAS for every shape (an A/B switch for benchmarks).
+TRITON_GEMV = os.environ.get("SPECSERVE_TRITON_GEMV", "1") != "0"
 
 
 # From this many rows on (prefill chunks) the weight is read from cache many times over, and MKL's blocked GEMM
@@ -26,6 +32,8 @@ class Linear(nn.Linear):
     packed_kernel = None  # the compiled CPU GEMM module when it packed the weight, else oneDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self._forward_gpu(x)
         if self.packed_weight is None or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
         if self.packed_kernel is not None:
@@ -35,6 +43,17 @@ class Linear(nn.Linear):
             out = self.packed_kernel.linear(rows, self.packed_weight, self.out_features, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if (TRITON_GEMV and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
+                and not torch.is_grad_enabled()
+                and x.dtype == self.weight.dtype):
+            from specserve.layers import triton_gemv
+
+            if x.dtype in triton_gemv.DTYPES and triton_gemv.choice.use_triton(rows, self.weight):
+                return triton_gemv.gemv(rows, self.weight).view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
 
     def prepack(self, max_batch_hint: int = 8) -> None:
         weight = self.weight.detach()

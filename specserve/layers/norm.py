@@ -11,5 +11,6 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return pointwise.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`: normalises x + residual and returns (normed, x + residual), one kernel on a GPU."""
+        return pointwise.rms_norm(x, self.weight, self.eps, residual)

@@ -23,7 +23,11 @@ def _cpu_kernels(x: torch.Tensor, last_dim_multiple: int = 8):
     return cpu_kernels.kernels()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x; with `residual`, of the residual stream x + residual, returning (normed, x + residual)."""
+    if residual is not None:
+        x = x + residual
+        return rms_norm(x, weight, eps), x
     kernels = _cpu_kernels(x)
     if kernels is not None and weight.dtype == torch.float32:
         return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
@@ -45,6 +49,16 @@ def rotary(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: t
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Rotates q and k like `rotary` and writes the rotated k and v [T, Hkv, D] into kv_cache
+    [2, slots, Hkv, D] at `slot_mapping`. Returns the rotated (q, k)."""
+    q, k = rotary(positions, cos_sin, q, k)
+    kv_cache[0].index_copy_(0, slot_mapping, k)
+    kv_cache[1].index_copy_(0, slot_mapping, v)
+    return q, k
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -58,38 +72,36 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_EAGER = {"rms_norm": rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul}
+_EAGER = {"rms_norm": rms_norm, "rotary": rotary, "rotary_store": rotary_store, "silu_and_mul": silu_and_mul}
 
 
 def use_gpu_kernels() -> None:
-    """GPU only: the rotary embedding and SiLU-and-multiply become Triton kernels (layers/triton_pointwise.py)
-    and RMSNorm one torch.compile'd kernel (shapes are dynamic, but a size of 1, a dtype or an eps value each
-    get their own compile; past the limit a call runs eagerly). Calls that need gradients (draft-head
-    training) and calls on CPU tensors keep the eager functions."""
-    import torch._dynamo
-
+    """GPU only: RMSNorm (with the residual add folded in), the rotary embedding (with the KV store folded
+    in) and SiLU-and-multiply become Triton kernels (layers/triton_pointwise.py). Calls that need gradients
+    (draft-head training) and calls on CPU tensors keep the eager functions."""
     from specserve.layers import triton_pointwise
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    fast = {"rms_norm": torch.compile(_EAGER["rms_norm"], dynamic=True),
-            "rotary": _rotary_if_supported(triton_pointwise.rotary),
+    fast = {"rms_norm": triton_pointwise.rms_norm,
+            "rotary": _if_power_of_two_half(triton_pointwise.rotary, 2),
+            "rotary_store": _if_power_of_two_half(triton_pointwise.rotary_store, 2),
             "silu_and_mul": triton_pointwise.silu_and_mul}
     for name, kernel in fast.items():
         globals()[name] = _unless_grad_or_cpu(kernel, _EAGER[name])
 
 
-def _rotary_if_supported(kernel):
-    def rotary_fn(positions, cos_sin, q, k):
-        half = q.shape[-1] // 2
-        if half & (half - 1):  # the kernel tiles half a head, which must be a power of two
-            return _EAGER["rotary"](positions, cos_sin, q, k)
-        return kernel(positions, cos_sin, q, k)
-    return rotary_fn
+def _if_power_of_two_half(kernel, q_arg: int):
+    """The rotary kernels tile half a head, which must be a power of two."""
+    eager = _EAGER[kernel.__name__]
+
+    def dispatch(*args):
+        half = args[q_arg].shape[-1] // 2
+        return eager(*args) if half & (half - 1) else kernel(*args)
+    return dispatch
 
 
 def _unless_grad_or_cpu(kernel, eager):
-    def dispatch(x, *args):
+    def dispatch(x, *args, **kwargs):
         if torch.is_grad_enabled() or not x.is_cuda:
-            return eager(x, *args)
-        return kernel(x, *args)
+            return eager(x, *args, **kwargs)
+        return kernel(x, *args, **kwargs)
     return dispatch

@@ -21,7 +21,7 @@ def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
                     stride_lb, stride_lh, CHUNK,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,10 +60,13 @@ def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
         m = m_new
     has = l > 0
     out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
-             mask=head_ok[:, None])
-    tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+    out_offs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    if DIRECT:  # one slice: the final output, nothing to merge
+        tl.store(out_offs, out.to(OUT.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+        tl.store(out_offs, out, mask=head_ok[:, None])
+        tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 
 
 @triton.jit
@@ -102,17 +105,21 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     group = heads // kv_heads
     max_tokens = block_tables.shape[1] * page_size
     chunk = triton.cdiv(triton.cdiv(max_tokens, splits), BLOCK_N) * BLOCK_N
-    part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    direct = splits == 1  # large batches: the partial kernel writes the output itself, no merge launch
+    out = torch.empty_like(q)
+    part = out.view(batch, heads, 1, dim) if direct else torch.empty(batch, heads, splits, dim,
+                                                                         dtype=torch.float32, device=q.device)
+    lse = part if direct else torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     keys, values = kv_cache[0], kv_cache[1]
     _partial_kernel[(batch, kv_heads, splits)](
         q, keys, values, block_tables, seq_lens, part, lse, scale,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         chunk, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
-        BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32,
+        BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32, DIRECT=direct,
     )
-    out = torch.empty_like(q)
+    if direct:
+        return out
     _merge_kernel[(batch, heads)](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=dim,

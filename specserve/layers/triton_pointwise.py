@@ -92,3 +92,96 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     if tokens:
         _store_kv_kernel[(tokens,)](k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
                                     kv_cache.stride(1), width, BLOCK=triton.next_power_of_2(width))
+
+
+@triton.jit
+def _rms_norm_kernel(X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, WIDTH, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < WIDTH
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:
+        # Eager adds in the model dtype and normalises the rounded sum; so does this.
+        x = (x.to(tl.float32) + tl.load(RES + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + row * stride_ro + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / WIDTH + eps)).to(OUT.dtype.element_ty)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    tl.store(OUT + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(OUT.dtype.element_ty),
+             mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x [..., W]; with `residual`, of x + residual, returning (normed, x + residual) from one
+    kernel (the residual stream is read once and written once instead of three times)."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    res_in = residual.reshape(-1, width) if residual is not None else rows
+    res_out = torch.empty_like(out) if residual is not None else out
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, res_in, weight, out, res_out, rows.stride(0), res_in.stride(0),
+                                           out.stride(0), res_out.stride(0), width, eps,
+                                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(width))
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out.view(x.shape))
+
+
+@triton.jit
+def _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin,
+                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    d = tl.arange(0, HALF)
+    h = tl.arange(0, HEADS_PAD)
+    ok = (h < HEADS)[:, None]
+    x_offs = t * stride_xt + h[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(X + x_offs, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(X + x_offs + HALF, mask=ok, other=0.0).to(tl.float32)
+    o_offs = t * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(OUT + o_offs, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + o_offs + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_qot, stride_qoh, stride_kot, stride_koh, stride_side, stride_slot, stride_cs,
+                         HEADS, KV_HEADS, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POSITIONS + t)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(COS_SIN + pos * stride_cs + d)[None, :]
+    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)[None, :]
+    _rotate_heads(Q, Q_OUT, t, stride_qt, stride_qh, stride_qot, stride_qoh, HEADS, cos, sin, HALF, HEADS_PAD)
+    _rotate_heads(K, K_OUT, t, stride_kt, stride_kh, stride_kot, stride_koh, KV_HEADS, cos, sin, HALF, KV_PAD)
+    # The rotated keys go to the cache too (a head's slot row is contiguous, heads one after another).
+    _rotate_heads(K, CACHE + slot * stride_slot, t, stride_kt, stride_kh, 0, 2 * HALF, KV_HEADS, cos, sin,
+                  HALF, KV_PAD)
+    h = tl.arange(0, KV_PAD)
+    ok = (h < KV_HEADS)[:, None]
+    for half in tl.static_range(2):
+        cols = half * HALF + d[None, :]
+        v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + cols, mask=ok)
+        tl.store(CACHE + stride_side + slot * stride_slot + h[:, None] * (2 * HALF) + cols, v, mask=ok)
+
+
+def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Rotates q [T, H, D] and k [T, Hkv, D] and writes rotated k and v into kv_cache [2, slots, Hkv, D]:
+    one launch where rotary and the KV store took three. Returns the rotated (q, k)."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if kv_cache.stride(2) != dim or kv_cache.stride(3) != 1:
+        raise ValueError("rotary_store needs each cache slot's heads laid out contiguously")
+    q_out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, kv_heads, dim, dtype=k.dtype, device=k.device)
+    if tokens:
+        _rotary_store_kernel[(tokens,)](
+            q, k, v, q_out, k_out, kv_cache, positions, slot_mapping, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), kv_cache.stride(0),
+            kv_cache.stride(1), cos_sin.stride(0), heads, kv_heads, HALF=dim // 2,
+            HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads))
+    return q_out, k_out

@@ -9,7 +9,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.layers import pointwise
-from specserve.layers.attention import AttentionMetadata, paged_attention
+from specserve.layers.attention import AttentionMetadata, attend
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
@@ -52,8 +52,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.scale))
+        q, k = rotary.rotate_and_store(positions, q, k, v, kv_cache, meta.slot_mapping)
+        return self.o_proj(attend(q, k, v, kv_cache, meta, self.scale))
 
 
 class MLP(nn.Module):
@@ -74,9 +74,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream arrives split in two, x + residual (residual is None at the first layer), and
+        leaves the same way: each add is folded into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,13 +110,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden states and the outputs of the layers in `capture_layers`, in that
         order (a layer may be named twice)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         outputs = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_cache[i], meta)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache[i], meta)
             if i in capture_layers:
-                outputs[i] = x
-        return self.norm(x), [outputs[i] for i in capture_layers]
+                outputs[i] = x + residual  # the layer's output, rounded as the unfused add rounds it
+        return self.norm(x, residual)[0], [outputs[i] for i in capture_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
