@@ -76,6 +76,8 @@ def prefill_chunk(model, kv_cache, seqs: int, prompt_len: int, page_size: int) -
 
 
 def gemv_bandwidth(model) -> list[dict]:
+    """Per weight shape: cuBLAS and the best Triton tile, each timed inside a CUDA graph over enough weight
+    copies to defeat L2 (how the engine chooses between them)."""
     layer = model.layers[0]
     shapes = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
               "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight,
@@ -86,16 +88,41 @@ def gemv_bandwidth(model) -> list[dict]:
     rows = [{"what": "copy 1 GiB", "gb_s": round(copy_gb_s)}]
     from specserve.layers import triton_gemv
 
+    gb = lambda w, us: round(w.numel() * w.element_size() / us / 1e3)  # noqa: E731
     for name, weight in shapes.items():
-        for m in (1, 4, 16):
+        for m in (1, 4):
             x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device="cuda")
-            row = {"what": f"{name} {tuple(weight.shape)} M={m}"}
-            for label, fn in (("cublas", torch.nn.functional.linear), ("triton", triton_gemv.gemv)):
-                ms = cuda_ms(lambda: fn(x, weight), 50)
-                row |= {f"{label}_us": round(ms * 1e3, 1),
-                        f"{label}_gb_s": round(weight.numel() * weight.element_size() / ms / 1e6)}
-            row["triton_config"] = str(triton_gemv._gemv_kernel.best_config)
-            rows.append(row)
+            silu_mul = name == "down"  # as the model calls it: SiLU-and-multiply folded in
+            if silu_mul:
+                x = torch.randn(m, 2 * weight.shape[1], dtype=weight.dtype, device="cuda")
+            tile = triton_gemv.choice.tile(x, weight, silu_mul)  # times cuBLAS and every tile in a CUDA graph
+            times = triton_gemv.choice.timings[(tuple(weight.shape), weight.dtype, m == 1, silu_mul)]
+            best = min(v for k, v in times.items() if k != "cublas")
+            rows.append({"what": f"{name} {tuple(weight.shape)} M={m}" + (" +silu_mul" if silu_mul else ""),
+                         "cublas_us": round(times["cublas"], 2), "cublas_gb_s": gb(weight, times["cublas"]),
+                         "triton_us": round(best, 2), "triton_gb_s": gb(weight, best), "chosen": str(tile)})
+    return rows
+
+
+def attention_tiles(kv_cache, heads: int, batch: int, context: int, page_size: int) -> list[dict]:
+    """The paged decode attention kernel of one layer under a few tile settings (graph-timed)."""
+    from specserve.layers.triton_attention import num_splits, paged_decode_attention
+    from specserve.layers.triton_gemv import graph_time
+
+    layer_cache = kv_cache[0]
+    pages = -(-(context + 1) // page_size)
+    tables = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+    lens = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, layer_cache.shape[-1], dtype=layer_cache.dtype, device="cuda")
+    splits = num_splits(batch, layer_cache.shape[2], pages * page_size)
+    rows = []
+    for block, warps, stages in ((32, 4, 3), (32, 4, 2), (64, 4, 3), (64, 8, 3), (64, 4, 4), (128, 8, 3)):
+        run = lambda cache: paged_decode_attention(q, cache, tables, lens, 0.088, page_size, splits,  # noqa: E731
+                                                   block, warps, stages)
+        us = graph_time(run, [kv_cache[i] for i in range(8)]) * 1e3
+        kv_bytes = 2 * batch * (context + 1) * layer_cache.shape[2] * layer_cache.shape[3] * 2
+        rows.append({"batch": batch, "context": context, "splits": splits, "block": block, "warps": warps,
+                     "stages": stages, "us": round(us, 1), "kv_gb_s": round(kv_bytes / us / 1e3)})
     return rows
 
 
@@ -114,7 +141,10 @@ def main() -> None:
     report = {"benchmark": "profile_gpu_step", "hardware": hardware_info(),
               "model": f"{args.model} shape, dummy bf16 weights", "gemv": gemv_bandwidth(runner.model),
               "decode": [decode_replays(runner, b, args.context, page_size) for b in args.batch_sizes],
-              "prefill": prefill_chunk(runner.model, runner.kv_cache, 32, 512, page_size)}
+              "prefill": prefill_chunk(runner.model, runner.kv_cache, 32, 512, page_size),
+              "attention_tiles": [row for b in args.batch_sizes
+                                  for row in attention_tiles(runner.kv_cache, runner.model.config.num_heads, b,
+                                                             args.context, page_size)]}
     print(json.dumps(report, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

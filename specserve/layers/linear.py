@@ -6,7 +6,8 @@ weights). Packing at load keeps fp32 math and cuts that cost; the hand-written k
 cuts it again, and oneDNN is the fallback where that kernel cannot be built. A weight whose values are all
 bf16 numbers (loaded from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
 On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for the weight
-shapes where it measured faster than cuBLAS; everything else uses plain `F.linear`.
+shapes where it measured faster than cuBLAS (the MLP's down projection with SiLU-and-multiply folded in);
+everything else uses plain `F.linear`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers import cpu_kernels
+from specserve.layers import cpu_kernels, pointwise
 
 # SPECSERVE_TRITON_GEMV=0 keeps cuBLAS for every shape (an A/B switch for benchmarks).
 TRITON_GEMV = os.environ.get("SPECSERVE_TRITON_GEMV", "1") != "0"
@@ -44,15 +45,24 @@ class Linear(nn.Linear):
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def _forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up = [gate | up]; one kernel where the Triton GEMV runs."""
+        if gate_up.is_cuda:
+            return self._forward_gpu(gate_up, silu_mul=True)
+        return self(pointwise.silu_and_mul(gate_up))
+
+    def _forward_gpu(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if (TRITON_GEMV and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
-                and not torch.is_grad_enabled()
-                and x.dtype == self.weight.dtype):
+                and not torch.is_grad_enabled() and x.dtype == self.weight.dtype):
             from specserve.layers import triton_gemv
 
-            if x.dtype in triton_gemv.DTYPES and triton_gemv.choice.use_triton(rows, self.weight):
-                return triton_gemv.gemv(rows, self.weight).view(*x.shape[:-1], self.out_features)
+            tile = triton_gemv.choice.tile(rows, self.weight, silu_mul) if x.dtype in triton_gemv.DTYPES else None
+            if tile is not None:
+                out = triton_gemv.gemv(rows, self.weight, tile, silu_mul)
+                return out.view(*x.shape[:-1], self.out_features)
+        if silu_mul:
+            x = pointwise.silu_and_mul(x)
         return F.linear(x, self.weight, self.bias)
 
     def prepack(self, max_batch_hint: int = 8) -> None:

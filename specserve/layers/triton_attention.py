@@ -98,13 +98,15 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, page_size: int, splits: int) -> torch.Tensor:
-    """q [B, H, D]; kv_cache [2, slots, Hkv, D]; block_tables [B, pages] int32; seq_lens [B] int32 -> [B, H, D]."""
+                           seq_lens: torch.Tensor, scale: float, page_size: int, splits: int,
+                           block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """q [B, H, D]; kv_cache [2, slots, Hkv, D]; block_tables [B, pages] int32; seq_lens [B] int32 -> [B, H, D].
+    `block` (context tokens per inner iteration), `num_warps` and `num_stages` are tuning knobs."""
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[2]
     group = heads // kv_heads
     max_tokens = block_tables.shape[1] * page_size
-    chunk = triton.cdiv(triton.cdiv(max_tokens, splits), BLOCK_N) * BLOCK_N
+    chunk = triton.cdiv(triton.cdiv(max_tokens, splits), block) * block
     direct = splits == 1  # large batches: the partial kernel writes the output itself, no merge launch
     out = torch.empty_like(q)
     part = out.view(batch, heads, 1, dim) if direct else torch.empty(batch, heads, splits, dim,
@@ -116,7 +118,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         chunk, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
-        BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32, DIRECT=direct,
+        BLOCK=block, IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, num_stages=num_stages,
     )
     if direct:
         return out

@@ -4,27 +4,47 @@ A decode step at batch 1 reads every weight once and does almost no math, so its
 matmul comes to the GPU's memory bandwidth. cuBLAS gets there for wide matrices, but on an H200 it left a
 third to a half of the bandwidth unused on the narrower ones of an 8B Llama (attention output: 4096 x 4096,
 ~2.1 of 4.3 TB/s, split over K with a separate reduction kernel). Here each program owns BLOCK_N output
-features and streams their rows over the whole K, so there is nothing to reduce afterwards. Which of the two
-runs for a weight shape is decided by timing both the first time the shape is seen (`Choice`).
+features and streams their rows over the whole K, so there is nothing to reduce afterwards. The MLP's down
+projection can also take the gate/up projection as it comes and apply SiLU-and-multiply while loading it,
+which saves that kernel's launch and its trip through memory.
+
+Which kernel, and which tile shape, runs for a weight shape is decided the first time the shape is seen, by
+timing every candidate, cuBLAS included, inside a CUDA graph (the way decode steps run: without launch
+overhead, which would otherwise hide a kernel of a few microseconds) over enough copies of the weight that
+none of it is served from L2 (decode reads each weight once a step).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
 
-_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk in ((8, 512), (16, 256), (16, 512), (32, 128), (32, 256)) for w in (4, 8) for s in (3, 5)]
+
+@dataclass(frozen=True)
+class Tile:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "ONE_ROW"])
-@triton.heuristics({"EVEN": lambda a: a["K"] % a["BLOCK_K"] == 0 and a["N"] % a["BLOCK_N"] == 0})
+# One row: FMAs on CUDA cores; several rows: a tensor-core dot with the rows padded to 16.
+ONE_ROW_TILES = [Tile(n, k, w, s) for n, k in ((4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256))
+                 for w, s in ((4, 3), (4, 5), (8, 4))]
+ROWS_TILES = [Tile(n, k, w, s) for n, k in ((16, 128), (16, 256), (32, 128), (32, 256), (64, 128))
+              for w, s in ((4, 3), (4, 5))]
+
+
 @triton.jit
 def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.constexpr,
-                 ONE_ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                 ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn
@@ -41,10 +61,10 @@ def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.c
         else:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if ONE_ROW:
-            x = tl.load(X + k, mask=k_ok, other=0.0)
+            x = _load_x(X, k, k_ok, K, SILU_MUL)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         else:
-            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
+            x = _load_x(X + m[:, None] * stride_xm, k[None, :], (m < M)[:, None] & k_ok[None, :], K, SILU_MUL)
             acc += tl.dot(x, tl.trans(w))
     if ONE_ROW:
         tl.store(OUT + n, tl.sum(acc, 1).to(OUT.dtype.element_ty), mask=n_ok)
@@ -53,40 +73,97 @@ def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.c
                  mask=(m < M)[:, None] & n_ok[None, :])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32."""
-    rows, width = x.shape
-    out_features = weight.shape[0]
-    if rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES:
-        raise ValueError("gemv takes at most 16 bf16/fp16 rows, each contiguous")
+@triton.jit
+def _load_x(X, k, ok, K, SILU_MUL: tl.constexpr):
+    """x at columns k; with SILU_MUL, X holds [gate | up] (2K wide) and x = silu(gate) * up, rounded where
+    the unfused kernels round (silu(gate) to the model dtype, then the product)."""
+    if SILU_MUL:
+        gate = tl.load(X + k, mask=ok, other=0.0)
+        up = tl.load(X + K + k, mask=ok, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+        return (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    return tl.load(X + k, mask=ok, other=0.0)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32. With
+    `silu_mul`, x is [M, 2K] = [gate | up] and silu(gate) * up is multiplied instead."""
+    rows = x.shape[0]
+    out_features, width = weight.shape
+    if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
+            or x.shape[1] != width * (2 if silu_mul else 1)):
+        raise ValueError("gemv takes at most 16 bf16/fp16 rows of the weight's width, each contiguous")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_kernel[grid](x, weight, out, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0),
-                       ROWS=MAX_ROWS, ONE_ROW=rows == 1)
+    even = width % tile.block_k == 0 and out_features % tile.block_n == 0
+    _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
+        x, weight, out, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0), ROWS=MAX_ROWS,
+        ONE_ROW=rows == 1, SILU_MUL=silu_mul, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 
+def _cublas(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    if silu_mul:
+        from specserve.layers import triton_pointwise
+
+        x = triton_pointwise.silu_and_mul(x)
+    return F.linear(x, weight)
+
+
 class Choice:
-    """Per (weight shape, dtype, one row or several): whether the Triton kernel beat cuBLAS when both were
-    timed on the first call. A call during CUDA-graph capture cannot time anything, so an undecided shape
-    takes cuBLAS there (the graphs' warm-up runs decide the shapes they use before capturing)."""
+    """Per (weight shape, dtype, one row or several, SiLU-and-multiply or not): the fastest Tile, or None
+    where cuBLAS won. A call during CUDA-graph capture cannot time anything, so an undecided shape takes
+    cuBLAS there (the graphs' warm-up runs decide the shapes they use before capturing)."""
 
     def __init__(self) -> None:
-        self.faster: dict[tuple, bool] = {}
+        self.best: dict[tuple, Tile | None] = {}
+        self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
 
-    def use_triton(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        key = (tuple(weight.shape), weight.dtype, x.shape[0] == 1)
-        decided = self.faster.get(key)
-        if decided is None:
+    def tile(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Tile | None:
+        key = (tuple(weight.shape), weight.dtype, x.shape[0] == 1, silu_mul)
+        if key not in self.best:
             if torch.cuda.is_current_stream_capturing():
-                return False
-            decided = self.faster[key] = _time(gemv, x, weight) < _time(torch.nn.functional.linear, x, weight)
-        return decided
+                return None
+            self.best[key] = self._measure(key, x, weight, silu_mul)
+        return self.best[key]
+
+    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> Tile | None:
+        copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
+        candidates = {"cublas": lambda w: _cublas(x, w, silu_mul)}
+        for tile in ONE_ROW_TILES if x.shape[0] == 1 else ROWS_TILES:
+            candidates[str(tile)] = lambda w, tile=tile: gemv(x, w, tile, silu_mul)
+        times = {name: graph_time(fn, copies) * 1e3 for name, fn in candidates.items()}
+        self.timings[key] = times
+        del copies
+        fastest = min(times, key=times.get)
+        return None if fastest == "cublas" else next(t for t in ONE_ROW_TILES + ROWS_TILES if str(t) == fastest)
 
 
-def _time(fn, x: torch.Tensor, weight: torch.Tensor) -> float:
-    fn(x, weight)  # compiles and autotunes
-    return triton.testing.do_bench(lambda: fn(x, weight), warmup=5, rep=20)
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def graph_time(fn, weights: list[torch.Tensor], replays: int = 5) -> float:
+    """Milliseconds per call of fn(w), run for each of `weights` in turn inside one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:  # compiles, and lets cuBLAS pick its kernel, outside the capture
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (replays * len(weights))
 
 
 choice = Choice()

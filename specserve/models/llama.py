@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.layers import pointwise
 from specserve.layers.attention import AttentionMetadata, attend
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
@@ -63,7 +62,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(pointwise.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
