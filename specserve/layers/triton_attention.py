@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specserve.layers import triton_pdl
 
 BLOCK_N = 32  # context tokens per inner iteration
 
@@ -21,7 +24,10 @@ def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
                     stride_lb, stride_lh, CHUNK,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
+                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,7 +77,10 @@ def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
 
 @triton.jit
 def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+                  SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -119,11 +128,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         chunk, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
         BLOCK=block, IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, num_stages=num_stages,
+        **triton_pdl.launch_options(q),
     )
     if direct:
         return out
     _merge_kernel[(batch, heads)](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=dim,
+        **triton_pdl.launch_options(q),
     )
     return out

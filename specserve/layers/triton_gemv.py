@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specserve.layers import triton_pdl
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
@@ -44,7 +47,7 @@ ROWS_TILES = [Tile(n, k, w, s) for n, k in ((16, 128), (16, 256), (32, 128), (32
 @triton.jit
 def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.constexpr,
                  ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN: tl.constexpr):
+                 EVEN: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn
@@ -53,24 +56,38 @@ def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.c
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile does not depend on the kernel before: it is read while that one finishes.
+    k = tl.arange(0, BLOCK_K)
+    w = _load_w(w_rows, k, n_ok, K, EVEN)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = _accumulate(acc, w, X, k, m, M, K, stride_xm, ONE_ROW, SILU_MUL)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        if EVEN:  # no masks: the loads vectorise
-            w = tl.load(w_rows + k[None, :])
-        else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if ONE_ROW:
-            x = _load_x(X, k, k_ok, K, SILU_MUL)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        else:
-            x = _load_x(X + m[:, None] * stride_xm, k[None, :], (m < M)[:, None] & k_ok[None, :], K, SILU_MUL)
-            acc += tl.dot(x, tl.trans(w))
+        acc = _accumulate(acc, _load_w(w_rows, k, n_ok, K, EVEN), X, k, m, M, K, stride_xm, ONE_ROW, SILU_MUL)
     if ONE_ROW:
         tl.store(OUT + n, tl.sum(acc, 1).to(OUT.dtype.element_ty), mask=n_ok)
     else:
         tl.store(OUT + m[:, None] * stride_om + n[None, :], acc.to(OUT.dtype.element_ty),
                  mask=(m < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _accumulate(acc, w, X, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr):
+    k_ok = k < K
+    if ONE_ROW:
+        x = _load_x(X, k, k_ok, K, SILU_MUL)
+        return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+    x = _load_x(X + m[:, None] * stride_xm, k[None, :], (m < M)[:, None] & k_ok[None, :], K, SILU_MUL)
+    return acc + tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
+    if EVEN:  # no masks: the loads vectorise
+        return tl.load(w_rows + k[None, :])
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -99,7 +116,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, silu_mul: bool = Fal
     _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
         x, weight, out, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0), ROWS=MAX_ROWS,
         ONE_ROW=rows == 1, SILU_MUL=silu_mul, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     return out
 
 

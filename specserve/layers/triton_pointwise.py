@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specserve.layers import triton_pdl
 
 
 @triton.jit
@@ -96,7 +99,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 @triton.jit
 def _rms_norm_kernel(X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, WIDTH, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < WIDTH
@@ -124,7 +130,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, res_in, weight, out, res_out, rows.stride(0), res_in.stride(0),
                                            out.stride(0), res_out.stride(0), width, eps,
-                                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(width))
+                                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(width),
+                                           **triton_pdl.launch_options(x))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 
@@ -147,7 +154,11 @@ def _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, 
 def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_qot, stride_qoh, stride_kot, stride_koh, stride_side, stride_slot, stride_cs,
-                         HEADS, KV_HEADS, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+                         HEADS, KV_HEADS, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POSITIONS + t)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -183,5 +194,6 @@ def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), kv_cache.stride(0),
             kv_cache.stride(1), cos_sin.stride(0), heads, kv_heads, HALF=dim // 2,
-            HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads))
+            HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads),
+            **triton_pdl.launch_options(q))
     return q_out, k_out
