@@ -78,9 +78,11 @@ def _accumulate(acc, w, X, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr, SILU_MU
     k_ok = k < K
     if ONE_ROW:
         x = _load_x(X, k, k_ok, K, SILU_MUL)
-        return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
-    x = _load_x(X + m[:, None] * stride_xm, k[None, :], (m < M)[:, None] & k_ok[None, :], K, SILU_MUL)
-    return acc + tl.dot(x, tl.trans(w))
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    else:
+        x = _load_x(X + m[:, None] * stride_xm, k[None, :], (m < M)[:, None] & k_ok[None, :], K, SILU_MUL)
+        acc += tl.dot(x, tl.trans(w))
+    return acc
 
 
 @triton.jit
@@ -99,8 +101,10 @@ def _load_x(X, k, ok, K, SILU_MUL: tl.constexpr):
         up = tl.load(X + K + k, mask=ok, other=0.0)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-        return (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    return tl.load(X + k, mask=ok, other=0.0)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    else:
+        x = tl.load(X + k, mask=ok, other=0.0)
+    return x
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, silu_mul: bool = False) -> torch.Tensor:
