@@ -4,12 +4,10 @@ The reference path gathers every sequence's context into a padded batch and runs
 context through memory several times (and, with grouped-query attention, expands K/V per query head). Here
 each program owns one sequence, one KV head (all the query heads that share it, so K/V is read once) and
 one slice of the context (flash-decoding: slices run in parallel so a single long sequence still fills the
-GPU). Each slice keeps a running max and sum (online softmax); the last slice of a sequence to finish merges
-them by their log-sum-exp (or, with SPECSERVE_ATTN_MERGE_LAST=0, a second kernel does). Everything is shaped by tensors, not host values, so it can be captured in a CUDA graph.
+GPU). Each slice keeps a running max and sum (online softmax); a second kernel merges the slices by their
+log-sum-exp. Everything is shaped by tensors, not host values, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -22,12 +20,11 @@ BLOCK_N = 32  # context tokens per inner iteration
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, FINAL, COUNTERS, scale,
+def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
-                    stride_lb, stride_lh, stride_fb, stride_fh, CHUNK, KV_HEADS,
+                    stride_lb, stride_lh, CHUNK,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr,
-                    SPLITS: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -76,43 +73,6 @@ def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, FINAL, COUNTERS, scale,
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
         tl.store(out_offs, out, mask=head_ok[:, None])
         tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
-        if MERGE_LAST:
-            # The last slice of this (sequence, KV head) to finish merges them all, so no second kernel
-            # runs. The atomic orders every slice's stores before it (release) and the loads after it
-            # (acquire); the counter goes back to zero for the next call.
-            counter = COUNTERS + b * KV_HEADS + kv_head
-            _fence()  # each thread's stores, before the one thread's atomic publishes them
-            tl.debug_barrier()
-            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                _fence()
-                _merge_heads(OUT + b * stride_ob, LSE + b * stride_lb, FINAL + b * stride_fb, heads, head_ok,
-                             d, stride_oh, stride_os, stride_lh, stride_fh, SPLITS, GROUP_PAD, D)
-                tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _fence():
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def _merge_heads(PART, LSE, FINAL, heads, head_ok, d, stride_ph, stride_ps, stride_lh, stride_fh,
-                 SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr):
-    """Weights each slice by exp(its log-sum-exp - the largest), as _merge_kernel does, one slice at a time."""
-    top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
-        top = tl.maximum(top, tl.load(LSE + heads * stride_lh + s, mask=head_ok, other=0.0, cache_modifier=".cg"))
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    for s in tl.static_range(SPLITS):
-        weight = tl.exp(tl.load(LSE + heads * stride_lh + s, mask=head_ok, other=0.0, cache_modifier=".cg") - top)
-        part = tl.load(PART + heads[:, None] * stride_ph + s * stride_ps + d[None, :], mask=head_ok[:, None],
-                       other=0.0, cache_modifier=".cg")
-        acc += part * weight[:, None]
-        total += weight
-    tl.store(FINAL + heads[:, None] * stride_fh + d[None, :], (acc / total[:, None]).to(FINAL.dtype.element_ty),
-             mask=head_ok[:, None])
 
 
 @triton.jit
@@ -132,22 +92,6 @@ def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, st
                    mask=(s < SPLITS)[:, None], other=0.0)
     out = tl.sum(part * weights[:, None], 0)
     tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
-
-
-# The slices of a sequence are merged by the last of them to finish (one kernel instead of two); =0: a
-# separate merge kernel. Each (sequence, KV head) counts its finished slices in a persistent counter.
-MERGE_LAST = os.environ.get("SPECSERVE_ATTN_MERGE_LAST", "1") != "0"
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device) -> torch.Tensor:
-    """Zeros that every call leaves at zero; allocated once per device (never during a graph capture, whose
-    memory would be the graph's), so CUDA graphs can bake them in."""
-    if device not in _COUNTERS:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[device] = torch.zeros(65536, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 # Programs (sequences x KV heads x context slices) that keep every multiprocessor of a large GPU busy.
@@ -177,19 +121,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     part = out.view(batch, heads, 1, dim) if direct else torch.empty(batch, heads, splits, dim,
                                                                          dtype=torch.float32, device=q.device)
     lse = part if direct else torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-    counters = _merge_counters(q.device)
-    merge_last = MERGE_LAST and not direct and counters is not None and batch * kv_heads <= counters.numel()
-    counters = part if counters is None else counters
     keys, values = kv_cache[0], kv_cache[1]
     _partial_kernel[(batch, kv_heads, splits)](
-        q, keys, values, block_tables, seq_lens, part, lse, out, counters, scale,
+        q, keys, values, block_tables, seq_lens, part, lse, scale,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1), chunk, kv_heads, MERGE_LAST=merge_last, SPLITS=splits if merge_last else 1, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        chunk, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
         BLOCK=block, IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, num_stages=num_stages,
         **triton_pdl.launch_options(q),
     )
-    if direct or merge_last:
+    if direct:
         return out
     _merge_kernel[(batch, heads)](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
