@@ -89,10 +89,10 @@ class DecodeGraphs:
         shapes = [(bs, n) for n in reversed(self.context_lens) for bs in reversed(self.batch_sizes)]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Warm up outside capture: library handles, and compiling kernels: the torch.compile'd ones (a batch
-        # of 1 and of 2, since torch.compile specialises on size 1) and the attention kernels of each context
-        # bucket. Triton variants of other batch sizes (the slice count depends on both) compile during
-        # capture, which Triton allows: compiling launches no device work.
+        # Warm up outside capture: library handles, the GEMV choice for one row and for several (a batch of 1
+        # and of 2; timing is impossible during capture, where an undecided shape takes cuBLAS) and the
+        # attention kernels of each context bucket. Triton variants of other batch sizes (the slice count
+        # depends on both) compile during capture, which Triton allows: compiling launches no device work.
         warm_shapes = {(1, n) for n in self.context_lens}
         warm_shapes |= {(min(2, self.max_bs), self.context_lens[0]), (self.max_bs, self.context_lens[-1])}
         with torch.cuda.stream(stream):
