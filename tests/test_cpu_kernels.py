@@ -29,13 +29,14 @@ def kernels():
 @pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, True), (37, 100, False), (49152, 64, False),
                                                            (8, 16, True), (3, 24, True)])
 def test_packed_linear_matches_f_linear(kernels, out_features, in_features, bias):
-    """Every row count (1, the 8-row blocks, their tails, prefill-sized), column counts that are not a
+    """Every row count (1, blocks of up to 6 rows over two panels, the 8-row blocks, their tails, prefill-sized),
+    column counts that are not a
     multiple of the 8-column panel, with and without bias."""
     torch.manual_seed(0)
     layer = Linear(in_features, out_features, bias=bias)
     layer.prepack()
     assert layer.packed_kernel is kernels
-    for rows in (1, 2, 5, 8, 9, 16, 23, 130):
+    for rows in (1, 2, 3, 4, 5, 6, 8, 9, 14, 16, 23, 130):
         x = torch.randn(rows, in_features)
         with torch.no_grad():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)

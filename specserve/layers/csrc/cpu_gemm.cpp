@@ -82,6 +82,49 @@ void four_panels_one_row(const float* x, int64_t K, const W* w, const float* bia
   _mm256_storeu_ps(out + 24, a3);
 }
 
+// Two neighbouring full panels (contiguous in the packed weight) times a block of R <= 6 rows: 2R independent
+// FMA chains instead of R, so a few rows are not bound by the FMA latency (one panel and two rows ran at
+// half the weight rate of one row); 2R accumulators + 2 weights + 1 broadcast fit AVX2's 16 registers.
+template <int R, typename W>
+void two_panels_block(const float* xt, int64_t K, const W* w, const float* bias, float* out, int64_t ldo) {
+  static_assert(R <= 6, "2R accumulators must fit the registers");
+  const W* w1 = w + K * kPanel;
+  const __m256 i0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 i1 = bias ? _mm256_loadu_ps(bias + kPanel) : _mm256_setzero_ps();
+  __m256 a0 = i0, a1 = i0, a2 = i0, a3 = i0, a4 = i0, a5 = i0;
+  __m256 c0 = i1, c1 = i1, c2 = i1, c3 = i1, c4 = i1, c5 = i1;
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * kPanel + 512), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + k * kPanel + 512), _MM_HINT_T0);
+    const __m256 u = load8(w + k * kPanel), v = load8(w1 + k * kPanel);
+    const float* xk = xt + k * R;
+    __m256 x = _mm256_broadcast_ss(xk);
+    a0 = _mm256_fmadd_ps(x, u, a0), c0 = _mm256_fmadd_ps(x, v, c0);
+    if constexpr (R > 1) x = _mm256_broadcast_ss(xk + 1), a1 = _mm256_fmadd_ps(x, u, a1), c1 = _mm256_fmadd_ps(x, v, c1);
+    if constexpr (R > 2) x = _mm256_broadcast_ss(xk + 2), a2 = _mm256_fmadd_ps(x, u, a2), c2 = _mm256_fmadd_ps(x, v, c2);
+    if constexpr (R > 3) x = _mm256_broadcast_ss(xk + 3), a3 = _mm256_fmadd_ps(x, u, a3), c3 = _mm256_fmadd_ps(x, v, c3);
+    if constexpr (R > 4) x = _mm256_broadcast_ss(xk + 4), a4 = _mm256_fmadd_ps(x, u, a4), c4 = _mm256_fmadd_ps(x, v, c4);
+    if constexpr (R > 5) x = _mm256_broadcast_ss(xk + 5), a5 = _mm256_fmadd_ps(x, u, a5), c5 = _mm256_fmadd_ps(x, v, c5);
+  }
+  const __m256 left[6] = {a0, a1, a2, a3, a4, a5}, right[6] = {c0, c1, c2, c3, c4, c5};
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * ldo, left[r]);
+    _mm256_storeu_ps(out + r * ldo + kPanel, right[r]);
+  }
+}
+
+template <typename W>
+void two_panels(int64_t R, const float* xt, int64_t K, const W* w, const float* b, float* o, int64_t ldo) {
+  switch (R) {
+    case 1: return two_panels_block<1>(xt, K, w, b, o, ldo);
+    case 2: return two_panels_block<2>(xt, K, w, b, o, ldo);
+    case 3: return two_panels_block<3>(xt, K, w, b, o, ldo);
+    case 4: return two_panels_block<4>(xt, K, w, b, o, ldo);
+    case 5: return two_panels_block<5>(xt, K, w, b, o, ldo);
+    default: return two_panels_block<6>(xt, K, w, b, o, ldo);
+  }
+}
+
 template <typename W>
 void rows(int64_t R, const float* xt, int64_t K, const W* w, const float* b, float* o, int64_t ldo, int64_t v) {
   switch (R) {
@@ -122,10 +165,21 @@ void packed_gemm(const float* xd, int64_t M, int64_t K, const W* w, int64_t pane
 #pragma omp parallel
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p)
-      for (int64_t start = 0; start < M; start += kPanel)
-        rows(std::min(kPanel, M - start), xt + start * K, K, w + p * K * kPanel, b ? b + p * kPanel : nullptr,
-             o + start * N + p * kPanel, N, valid(p));
+    const int64_t end = panels * (t + 1) / nt;
+    for (int64_t p = panels * t / nt; p < end;) {
+      const bool pair = p + 1 < end && valid(p + 1) == kPanel;
+      for (int64_t start = 0; start < M; start += kPanel) {
+        const int64_t R = std::min(kPanel, M - start);
+        const float* bias = b ? b + p * kPanel : nullptr;
+        if (pair && R <= 6)
+          two_panels(R, xt + start * K, K, w + p * K * kPanel, bias, o + start * N + p * kPanel, N);
+        else
+          for (int64_t q = p; q < p + (pair ? 2 : 1); ++q)
+            rows(R, xt + start * K, K, w + q * K * kPanel, b ? b + q * kPanel : nullptr, o + start * N + q * kPanel,
+                 N, valid(q));
+      }
+      p += pair ? 2 : 1;
+    }
   }
 }
 
