@@ -30,8 +30,7 @@ def kernels():
                                                            (8, 16, True), (3, 24, True)])
 def test_packed_linear_matches_f_linear(kernels, out_features, in_features, bias):
     """Every row count (1, blocks of up to 6 rows over two panels, the 8-row blocks, their tails, prefill-sized),
-    column counts that are not a
-    multiple of the 8-column panel, with and without bias."""
+    column counts that are not a multiple of the 8-column panel, with and without bias."""
     torch.manual_seed(0)
     layer = Linear(in_features, out_features, bias=bias)
     layer.prepack()
