@@ -5,9 +5,9 @@ PyTorch's default fp32 GEMM re-lays-out the weight at every call, which dominate
 weights). Packing at load keeps fp32 math and cuts that cost; the hand-written kernel (cpu_kernels.py)
 cuts it again, and oneDNN is the fallback where that kernel cannot be built. A weight whose values are all
 bf16 numbers (loaded from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
-On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for the weight
-shapes where it measured faster than cuBLAS (the MLP's down projection with SiLU-and-multiply folded in);
-everything else uses plain `F.linear`.
+On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for each weight
+shape (and row count: one, or several) where it timed faster than cuBLAS; the MLP's down projection takes
+SiLU-and-multiply folded into that GEMV. Everything else uses plain `F.linear`.
 """
 from __future__ import annotations
 

@@ -81,22 +81,38 @@ def use_gpu_kernels() -> None:
     (draft-head training) and calls on CPU tensors keep the eager functions."""
     from specserve.layers import triton_pointwise
 
-    fast = {"rms_norm": triton_pointwise.rms_norm,
-            "rotary": _if_power_of_two_half(triton_pointwise.rotary, 2),
-            "rotary_store": _if_power_of_two_half(triton_pointwise.rotary_store, 2),
+    fast = {"rms_norm": _if(_same_dtypes, triton_pointwise.rms_norm),
+            "rotary": _if(_half_power_of_two, triton_pointwise.rotary),
+            "rotary_store": _if(_rotary_store_fits, triton_pointwise.rotary_store),
             "silu_and_mul": triton_pointwise.silu_and_mul}
     for name, kernel in fast.items():
         globals()[name] = _unless_grad_or_cpu(kernel, _EAGER[name])
 
 
-def _if_power_of_two_half(kernel, q_arg: int):
-    """The rotary kernels tile half a head, which must be a power of two."""
+def _if(applies, kernel):
+    """The kernel where `applies(*args)`, else the eager function of the same name."""
     eager = _EAGER[kernel.__name__]
 
     def dispatch(*args):
-        half = args[q_arg].shape[-1] // 2
-        return eager(*args) if half & (half - 1) else kernel(*args)
+        return kernel(*args) if applies(*args) else eager(*args)
     return dispatch
+
+
+def _same_dtypes(x, weight, eps, residual=None) -> bool:
+    # Eager promotes a bf16 x with an fp32 weight to fp32; the kernel writes x's dtype.
+    return x.dtype == weight.dtype and (residual is None or residual.dtype == x.dtype)
+
+
+def _half_power_of_two(positions, cos_sin, q, *rest) -> bool:
+    half = q.shape[-1] // 2  # the rotary kernels tile half a head
+    return half > 0 and not half & (half - 1)
+
+
+def _rotary_store_fits(positions, cos_sin, q, k, v, kv_cache, slot_mapping) -> bool:
+    """The kernel reads unit-stride heads and copies k and v into the cache without converting them."""
+    return (_half_power_of_two(positions, cos_sin, q) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and k.dtype == v.dtype == kv_cache.dtype and kv_cache.stride(-1) == 1
+            and kv_cache.stride(-2) == kv_cache.shape[-1])
 
 
 def _unless_grad_or_cpu(kernel, eager):

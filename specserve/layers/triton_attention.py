@@ -4,17 +4,17 @@ The reference path gathers every sequence's context into a padded batch and runs
 context through memory several times (and, with grouped-query attention, expands K/V per query head). Here
 each program owns one sequence, one KV head (all the query heads that share it, so K/V is read once) and
 one slice of the context (flash-decoding: slices run in parallel so a single long sequence still fills the
-GPU). Each slice keeps a running max and sum (online softmax); a second kernel merges the slices by their
-log-sum-exp. Everything is shaped by tensors, not host values, so it can be captured in a CUDA graph.
+GPU). Each slice keeps a running max and sum (online softmax); when a context is cut into more than one
+slice, a second kernel merges them by their log-sum-exp (with one slice the first kernel writes the output). Everything is shaped by tensors, not host values, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specserve.layers import triton_pdl
+from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 BLOCK_N = 32  # context tokens per inner iteration
 
@@ -101,7 +101,7 @@ MIN_SLICE = 64  # context tokens per slice, below which a slice costs more to me
 
 def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
     """Context slices per sequence: a small batch splits its contexts until the GPU is full; a large one
-    fills it with sequences alone, so its merge only copies one slice."""
+    fills it with sequences alone and needs no merge."""
     wanted = -(-TARGET_PROGRAMS // (batch * kv_heads))
     return max(1, min(wanted, max_context // MIN_SLICE, 32))
 

@@ -7,6 +7,7 @@ and wait at `gdc_wait` for the predecessor to complete and its writes to be visi
 this way must call `gdc_wait` before it reads anything an earlier kernel wrote, and before it writes
 anything (a buffer it writes may still be read by the predecessor); the kernels here all do.
 
+Triton has the instructions from 3.4 on; with an older one (torch < 2.8) the kernels run without PDL.
 SPECSERVE_PDL=0 turns it off (an A/B switch for benchmarks).
 """
 from __future__ import annotations
@@ -15,14 +16,34 @@ import functools
 import os
 
 import torch
+import triton
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    AVAILABLE = True
+except ImportError:  # the kernels only call these under `if PDL:`, which is then always False
+    AVAILABLE = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options"]
 
 
 @functools.cache
 def enabled(device_index: int) -> bool:
-    return os.environ.get("SPECSERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return (AVAILABLE and os.environ.get("SPECSERVE_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(device_index) >= (9, 0))
 
 
 def launch_options(t: torch.Tensor) -> dict:
-    """Keyword arguments for a kernel launch on t's device: the PDL flag, and the matching constexpr."""
+    """Keyword arguments for a kernel launch on t's device: the PDL flag (where Triton knows it) and the
+    matching constexpr."""
     on = enabled(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return {"launch_pdl": on, "PDL": on}
+    return {"launch_pdl": True, "PDL": True} if on else {"PDL": False}

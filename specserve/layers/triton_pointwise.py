@@ -3,7 +3,7 @@
 Profiled on a Llama-3.1-8B shape, a 16k-token prefill chunk spent ~1 ms a layer in the compiled rotary kernel
 and ~1 ms in SiLU-and-multiply, 3-8x what their memory traffic needs; a decode step paid two KV-store
 launches a layer. A decode step now folds the residual add into RMSNorm and the KV store into the rotary
-kernel, so a layer launches two of these where it launched five. Each kernel here rounds where the eager
+kernel, so a layer launches three of these (two norms, one rotary) where it launched seven. Each kernel here rounds where the eager
 reference does (fp32 math, one cast per result), so outputs match it to the last bit or within one rounding
 of it. None has a backward: callers that need gradients keep the eager functions. The fused ones launch with
 programmatic dependent launch (triton_pdl.py).
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specserve.layers import triton_pdl
+from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -123,11 +123,14 @@ def _rms_norm_kernel(X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stri
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of x [..., W]; with `residual`, of x + residual, returning (normed, x + residual) from one
-    kernel (the residual stream is read once and written once instead of three times)."""
+    kernel (the residual stream is read once and written once instead of three times). x, the weight and
+    the residual share a dtype (pointwise.py sends other mixes to the eager function)."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    res_in = residual.reshape(-1, width) if residual is not None else rows
+    res_in = residual.reshape(-1, width).contiguous() if residual is not None else rows
     res_out = torch.empty_like(out) if residual is not None else out
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, res_in, weight, out, res_out, rows.stride(0), res_in.stride(0),
