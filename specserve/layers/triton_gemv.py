@@ -151,14 +151,13 @@ class Choice:
 
     def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> Tile | None:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
+        tiles = {str(tile): tile for tile in (ONE_ROW_TILES if x.shape[0] == 1 else ROWS_TILES)}
         candidates = {"cublas": lambda w: _cublas(x, w, silu_mul)}
-        for tile in ONE_ROW_TILES if x.shape[0] == 1 else ROWS_TILES:
-            candidates[str(tile)] = lambda w, tile=tile: gemv(x, w, tile, silu_mul)
+        candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, silu_mul)) for name, tile in tiles.items()}
         times = {name: graph_time(fn, copies) * 1e3 for name, fn in candidates.items()}
         self.timings[key] = times
         del copies
-        fastest = min(times, key=times.get)
-        return None if fastest == "cublas" else next(t for t in ONE_ROW_TILES + ROWS_TILES if str(t) == fastest)
+        return tiles.get(min(times, key=times.get))  # None: cuBLAS won
 
 
 def _nbytes(t: torch.Tensor) -> int:

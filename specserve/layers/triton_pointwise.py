@@ -43,21 +43,32 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(X, OUT, POSITIONS, COS_SIN, stride_xt, stride_xh, stride_ot, stride_oh, stride_cs, HEADS,
-                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POSITIONS + t)
+def _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin,
+                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_PAD)
     ok = (h < HEADS)[:, None]
-    cos = tl.load(COS_SIN + pos * stride_cs + d)[None, :]
-    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)[None, :]
     x_offs = t * stride_xt + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(X + x_offs, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + x_offs + HALF, mask=ok, other=0.0).to(tl.float32)
     o_offs = t * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(OUT + o_offs, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
     tl.store(OUT + o_offs + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _cos_sin(COS_SIN, pos, stride_cs, HALF: tl.constexpr):
+    """The angles of position `pos` as [1, HALF] rows (cos, sin), ready to broadcast over heads."""
+    d = tl.arange(0, HALF)
+    return tl.load(COS_SIN + pos * stride_cs + d)[None, :], tl.load(COS_SIN + pos * stride_cs + HALF + d)[None, :]
+
+
+@triton.jit
+def _rotary_kernel(X, OUT, POSITIONS, COS_SIN, stride_xt, stride_xh, stride_ot, stride_oh, stride_cs, HEADS,
+                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(COS_SIN, tl.load(POSITIONS + t), stride_cs, HALF)
+    _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin, HALF, HEADS_PAD)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -142,20 +153,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin,
-                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
-    d = tl.arange(0, HALF)
-    h = tl.arange(0, HEADS_PAD)
-    ok = (h < HEADS)[:, None]
-    x_offs = t * stride_xt + h[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(X + x_offs, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_offs + HALF, mask=ok, other=0.0).to(tl.float32)
-    o_offs = t * stride_ot + h[:, None] * stride_oh + d[None, :]
-    tl.store(OUT + o_offs, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
-    tl.store(OUT + o_offs + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_qot, stride_qoh, stride_kot, stride_koh, stride_side, stride_slot, stride_cs,
@@ -167,9 +164,8 @@ def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POSITIONS + t)
     slot = tl.load(SLOTS + t).to(tl.int64)
+    cos, sin = _cos_sin(COS_SIN, pos, stride_cs, HALF)
     d = tl.arange(0, HALF)
-    cos = tl.load(COS_SIN + pos * stride_cs + d)[None, :]
-    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d)[None, :]
     _rotate_heads(Q, Q_OUT, t, stride_qt, stride_qh, stride_qot, stride_qoh, HEADS, cos, sin, HALF, HEADS_PAD)
     _rotate_heads(K, K_OUT, t, stride_kt, stride_kh, stride_kot, stride_koh, KV_HEADS, cos, sin, HALF, KV_PAD)
     # The rotated keys go to the cache too (a head's slot row is contiguous, heads one after another).
