@@ -1,7 +1,9 @@
 """Is speculation that is switched off free? On one GPU, Llama-3.1-8B shape with random bf16 weights:
 plain decode vs the same engine with an EAGLE-3 head configured but a plan of 0 drafts (graphs replay and
 the head's taps are stored), vs drafting a 3-token chain every step with acceptance simulated at tau = 3, vs a
-top-4 tree of 16 drafts over 5 levels at simulated tau = 4 (random head of the target's shape).
+top-4 tree of 16 drafts over 5 levels at simulated tau = 4 (random head of the target's shape). Per decode
+step it also reports the wall time and the device time of the step's CUDA-graph replay (plain and chain steps),
+so the host's share of a step shows.
 
     python benchmarks/spec_off_tax.py --out benchmarks/results/spec_off_tax_h200.json
 """
@@ -11,6 +13,8 @@ import argparse
 import json
 import time
 from dataclasses import replace
+
+import torch
 
 from specserve.bench.decode import hardware_info, make_prompts
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -29,16 +33,48 @@ SETUPS = {
 }
 
 
-def decode_tok_s(engine, batch: int, prompt_len: int, output_len: int) -> float:
+class TimedGraph:
+    """Wraps a captured graph so each replay's device time is recorded with CUDA events."""
+
+    def __init__(self, graph, log: list) -> None:
+        self.graph, self.log = graph, log
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.log.append((start, end))
+
+
+def time_replays(engine) -> list:
+    """Every graph replay of plain decode and chain steps from now on logs its device time."""
+    log = []
+    for graphs in (engine.runner.graphs, engine.runner.spec_graphs):
+        if graphs is not None:
+            graphs.graphs = {shape: TimedGraph(getattr(g, "graph", g), log) for shape, g in graphs.graphs.items()}
+    return log
+
+
+def decode_run(engine, batch: int, prompt_len: int, output_len: int) -> dict:
+    """Decode tok/s after the first token, and per decode step: wall time and the device time of its replay."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(batch, prompt_len, 128256, batch)):
         engine.add_request(f"{batch}-{i}-{time.perf_counter()}", prompt, params)
-    counts, counted, first = 0, 0, None
+    counts, counted, first, steps = 0, 0, None, 0
+    log = time_replays(engine)
     while engine.has_work():
         counts += sum(len(d.new_token_ids) for d in engine.step())
         if first is None and counts:
             first, counted = time.perf_counter(), counts
-    return (counts - counted) / (time.perf_counter() - first)
+            log.clear()
+        elif first is not None:
+            steps += 1
+    wall = time.perf_counter() - first
+    torch.cuda.synchronize()
+    replay_ms = [s.elapsed_time(e) for s, e in log]
+    return {"decode_tok_s": (counts - counted) / wall, "steps": steps, "step_wall_ms": wall * 1e3 / max(steps, 1),
+            "replay_device_ms": sum(replay_ms) / max(len(replay_ms), 1), "replays": len(replay_ms)}
 
 
 def main() -> None:
@@ -57,9 +93,9 @@ def main() -> None:
         if plan is not None:
             engine.scheduler.draft_plan = lambda request: plan
         for batch in args.batch_sizes:
-            decode_tok_s(engine, batch, args.prompt_len, 8)  # warm-up
+            decode_run(engine, batch, args.prompt_len, 8)  # warm-up
             rows.append({"setup": name, "batch_size": batch,
-                         "decode_tok_s": decode_tok_s(engine, batch, args.prompt_len, args.output_len)})
+                         **decode_run(engine, batch, args.prompt_len, args.output_len)})
             print(rows[-1], flush=True)
         del engine
     plain = {r["batch_size"]: r["decode_tok_s"] for r in rows if r["setup"] == "plain"}

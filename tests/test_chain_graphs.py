@@ -32,11 +32,11 @@ def test_accept_chain_takes_the_matching_prefix_then_the_targets_token():
 
 def _generate(llm: LLM, prompts, params, chain: bool):
     runner = llm.engine.runner
-    saved, runner.chain = runner.chain, runner.chain if chain else None
+    saved, runner.spec_graphs = runner.spec_graphs, runner.spec_graphs if chain else None
     try:
         outs = llm.generate(prompts, params)
     finally:
-        runner.chain = saved
+        runner.spec_graphs = saved
     return [(o.token_ids, o.num_spec_steps, o.num_accepted_tokens) for o in outs]
 
 
@@ -48,7 +48,7 @@ def test_chain_program_drafts_what_the_tree_search_drafts(smollm2_dir):
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
                ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    chain = llm.engine.runner.chain
+    chain = llm.engine.runner.spec_graphs
     runs_before, short = chain.num_runs, []
     run = chain.run
     chain.run = lambda batch: short.append(min(s.num_draft_tokens for s in batch.seqs) < 3) or run(batch)
@@ -72,7 +72,7 @@ def test_chain_program_is_lossless_under_preemption(tmp_path, tiny_checkpoint):
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     prompts = _prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts)
-    assert engine.runner.chain.num_runs > 10 and engine.scheduler.num_preemptions > 0
+    assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
     assert outputs == _hf_greedy(path, prompts)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
@@ -84,7 +84,7 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
     for chain in (True, False):
         engine, _ = _random_head_engine(tmp_path, tiny_checkpoint, simulate_accept_len=2.5)
         if not chain:
-            engine.runner.chain = None
+            engine.runner.spec_graphs = None
         accepted, steps = [], engine.step
 
         def counted():
@@ -93,9 +93,9 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
             return deltas
         engine.step = counted
         outputs, _ = run_staggered(engine, prompts)
-        assert (engine.runner.chain is None) != chain
+        assert (engine.runner.spec_graphs is None) != chain
         if chain:
-            assert engine.runner.chain.num_runs > 3
+            assert engine.runner.spec_graphs.num_runs > 3
         runs.append((outputs, accepted))
     assert runs[0] == runs[1]
     mean = 1 + sum(runs[0][1]) / len(runs[0][1])
@@ -115,6 +115,6 @@ def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny
     proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
     prompts = _prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts)
-    assert engine.runner.chain.num_runs > 10 and engine.scheduler.num_preemptions > 0
+    assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
     assert general and not any(general)
     assert outputs == _hf_greedy(path, prompts)

@@ -184,6 +184,57 @@ def test_overlapped_steps_never_wait_for_the_device_and_match_transformers(tiny_
     assert overlapped == synchronous == _hf_greedy(path, prompts, "cuda")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_triton_decode_attention_with_tails_matches_the_row_reference(dtype, splits):
+    """Draft-tree rows: the context through the page table, then a tail of scattered slots (none, one, many),
+    against the PyTorch form of the same contract."""
+    from specserve.layers.attention import AttentionMetadata, attend_rows
+
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim, rows = 16, 32, 8, 128, 6
+    pool = torch.randn(2, 4096, kv_heads, dim, device="cuda", dtype=dtype)
+    tables = torch.randint(0, 200, (rows, 40), dtype=torch.int32, device="cuda")
+    lens = torch.tensor([1, 17, 300, 640, 64, 5], dtype=torch.int32, device="cuda")
+    tails = torch.randint(3200, 4096, (rows, 6), device="cuda")
+    tail_lens = torch.tensor([0, 1, 6, 3, 2, 6], dtype=torch.int32, device="cuda")
+    q = torch.randn(rows, heads, dim, device="cuda", dtype=dtype)
+    meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=tables, seq_lens=lens, page_size=page,
+                             num_splits=splits, tail_slots=tails, tail_lens=tail_lens)
+    reference = attend_rows(q.float().cpu(), pool.float().cpu(), replace(
+        meta, block_tables=tables.cpu(), seq_lens=lens.cpu(), tail_slots=tails.cpu(), tail_lens=tail_lens.cpu()),
+        dim**-0.5)
+    from specserve.layers.triton_attention import paged_decode_attention
+
+    ours = paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails, tail_lens)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("simulate", [None, 2.5])
+def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, simulate):
+    """EAGLE-2 tree steps replayed as one graph each equal the same program run eagerly, and (greedy) HF."""
+    from specserve.engine.tree_graphs import TreeGraphs
+
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    prompts = _prompts(512, seed=5)
+    runs = []
+    for disable in (False, True):
+        spec = SpecConfig("EAGLE3", str(tmp_path), 4, 3, 9, simulate_accept_len=simulate)
+        config = replace(_tight_config(str(path), 200), device="cuda", spec=spec, disable_cuda_graph=disable)
+        engine, _ = build_engine_core(config, progress=False)
+        outputs, _ = run_staggered(engine, prompts)
+        tree = engine.runner.spec_graphs
+        assert isinstance(tree, TreeGraphs) and tree.num_runs > 3 and bool(tree.graphs) != disable
+        alloc = engine.scheduler.allocator
+        assert alloc.num_free == alloc.num_pages
+        runs.append(outputs)
+    assert runs[0] == runs[1]
+    if simulate is None:
+        assert runs[0] == _hf_greedy(path, prompts, "cuda")
+
+
 @pytest.mark.parametrize("simulate", [None, 2.5])
 def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, simulate):
     """EAGLE-3 chain steps replayed as one graph each equal the same program run eagerly, and (greedy) HF."""
@@ -196,7 +247,7 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
         config = replace(_tight_config(str(path), 200), device="cuda", spec=spec, disable_cuda_graph=disable)
         engine, _ = build_engine_core(config, progress=False)
         outputs, _ = run_staggered(engine, prompts)
-        chain = engine.runner.chain
+        chain = engine.runner.spec_graphs
         assert chain.num_runs > 3 and bool(chain.graphs) != disable
         runs.append(outputs)
     assert runs[0] == runs[1]

@@ -19,7 +19,7 @@ On a CPU the same program runs eagerly with the reference attention, which is ho
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -48,31 +48,16 @@ def accept_chain(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor 
     return tokens, accepted
 
 
-@dataclass(frozen=True)
-class _Rows:
-    """Host-side description of one step's rows, in the static buffers' layout."""
+class SpecGraphs:
+    """What chain and tree programs share: per-step inputs in one device buffer (one upload), graphs captured
+    per (batch bucket, context bucket), and a step that replays (or, on a CPU, runs) the program and reads
+    back each sequence's new tokens once. Subclasses define the buffers, the rows and the program."""
 
-    catch_ids: np.ndarray  # [B, k + 1] head inputs of the catch-up, padded
-    catch_pos: np.ndarray
-    catch_slots: np.ndarray
-    last_row: np.ndarray  # [B] flat index of each sequence's last catch-up row
-    extend_pos: np.ndarray  # [k - 1, B], level-major
-    extend_slots: np.ndarray
-    root_ids: np.ndarray  # [B]
-    verify_pos: np.ndarray  # [B, k + 1]
-    verify_slots: np.ndarray
-    tables: np.ndarray  # [B, pages]
-    limit: np.ndarray  # [B] drafts each sequence was scheduled with (the program always drafts k)
-    forced: np.ndarray | None = None  # [B] simulated accepted counts
-
-
-class ChainGraphs:
-    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, num_drafts: int, pad_slot: int,
-                 max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng,
-                 capture: bool, progress: bool = True) -> None:
+    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int, pad_slot: int,
+                 max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng) -> None:
         self.target, self.drafter, self.kv_cache = target, drafter, kv_cache
         self.head = drafter.head
-        self.k, self.width = num_drafts, num_drafts + 1
+        self.width = width  # catch-up rows per sequence; also the positions a step may add past its root
         self.pad_slot, self.page_size = pad_slot, page_size
         self.simulate_accept_len, self.rng = simulate_accept_len, rng
         self.device = kv_cache.device
@@ -83,42 +68,41 @@ class ChainGraphs:
         self._allocate()
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        if capture:
-            self._capture(progress)
+
+    def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Per-step input name -> (shape at the largest batch, which axis is the batch)."""
+        raise NotImplementedError
 
     def _allocate(self) -> None:
         """The per-step inputs are views of one device buffer, so a step uploads them in one copy."""
-        b, w, e = self.max_bs, self.width, max(self.k - 1, 1)
-        shapes = {"catch_ids": (b, w), "catch_pos": (b, w), "catch_slots": (b, w), "last_row": (b,),
-                  # Level-major, so one level's rows are contiguous (kernels index them as flat arrays).
-                  "extend_pos": (e, b), "extend_slots": (e, b), "root_ids": (b,), "verify_pos": (b, w),
-                  "verify_slots": (b, w), "limit": (b,), "forced": (b,)}
-        total = sum(int(np.prod(shape)) for shape in shapes.values())
+        shapes = self._buffer_shapes()
+        total = sum(int(np.prod(shape)) for shape, _ in shapes.values())
         self._flat = torch.zeros(total, dtype=torch.long, device=self.device)
         self._host = np.zeros(total, np.int64)
-        self._host_views, offset = {}, 0
-        for name, shape in shapes.items():
+        self._host_views, self._batch_axis, offset = {}, {}, 0
+        for name, (shape, axis) in shapes.items():
             size = int(np.prod(shape))
             setattr(self, name, self._flat[offset:offset + size].view(shape))
             self._host_views[name] = self._host[offset:offset + size].reshape(shape)
+            self._batch_axis[name] = axis
             offset += size
-        self.tables = {n: torch.zeros(b, -(-n // self.page_size), dtype=torch.int32, device=self.device)
+        self.tables = {n: torch.zeros(self.max_bs, -(-n // self.page_size), dtype=torch.int32, device=self.device)
                        for n in self.context_lens}
 
-    # -- which steps qualify ---------------------------------------------
-    def fits(self, batch: StepBatch) -> bool:
+    def _greedy_fits(self, batch: StepBatch, max_drafts: int) -> bool:
+        """Greedy decoding rows only (the program's bonus token is the target's argmax), at most `max_drafts`
+        each, at least one row drafting (else a plain step: the decode graphs take it), and every head
+        catch-up within the program's rows."""
         seqs = batch.seqs
-        if not seqs or len(seqs) > self.max_bs:
+        if not seqs or len(seqs) > self.max_bs or not any(s.num_draft_tokens for s in seqs):
             return False
-        # Sequences with no drafts this step (their last token, say) ride along: nothing of theirs is accepted
-        # but the target's own token, and their head catch-up waits for a step that drafts.
-        if not any(s.num_draft_tokens for s in seqs):
-            return False  # a plain step: the decode graphs take it
         for s in seqs:
-            if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= self.k):
+            if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= max_drafts):
                 return False
-            if not s.params.greedy:  # the program's bonus token is the target's argmax
+            if not s.params.greedy:
                 return False
+            # Rows with no drafts this step (a request's last token, say) ride along: nothing of theirs is
+            # accepted but the target's own token, and their head catch-up waits for a step that drafts.
             catch_up = len(eagle3_catch_up(s)[0])
             if catch_up > self.width or (s.num_draft_tokens and not catch_up):
                 return False
@@ -131,25 +115,77 @@ class ChainGraphs:
         b = len(seqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         n = self.context_lens[bisect.bisect_left(self.context_lens, max(s.start_pos for s in seqs) + self.width)]
-        rows = self._describe(seqs, bs, self.tables[n].shape[1])
+        rows, tables = self._describe(seqs, bs, self.tables[n].shape[1])
         forced = None
         if self.simulate_accept_len is not None:
             # One draw per drafting sequence, in order, as the tree path draws.
             drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), s.num_draft_tokens)
                      if s.num_draft_tokens else 0 for s in seqs]
-            rows = replace(rows, forced=np.array(drawn + [0] * (bs - b), np.int64))
+            rows["forced"] = np.array(drawn + [0] * (bs - b), np.int64)
             forced = self.forced[:bs]
-        self._upload(rows, bs, n)
+        self._upload(rows, tables, bs, n)
         if (bs, n) in self.graphs:
             self.graphs[(bs, n)].replay()
             tokens, accepted = self.outputs[(bs, n)]
         else:
-            tokens, accepted = self._forward(bs, n, self._metas(bs, n, rows), forced)
+            tokens, accepted = self._forward(bs, n, self._metas(bs, n, rows, tables), forced)
         self.num_runs += 1
         tokens, accepted = tokens[:b].tolist(), accepted[:b].tolist()  # the step's one read-back
         return [t[: a + 1] for t, a in zip(tokens, accepted)]
 
-    def _describe(self, seqs, bs: int, width: int) -> _Rows:
+    def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
+        # Only the first bs rows are written: a graph of batch bucket bs reads no others.
+        for name, view in self._host_views.items():
+            if name in rows:
+                (view[:, :bs] if self._batch_axis[name] == 1 else view[:bs])[...] = rows[name]
+        pinned = self.device.type == "cuda"
+        for source, target in ((torch.from_numpy(self._host), self._flat),
+                               (torch.from_numpy(tables), self.tables[n][:bs])):
+            target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
+
+    @torch.inference_mode()
+    def _capture(self, progress: bool, desc: str) -> None:
+        shapes = [(bs, n) for n in reversed(self.context_lens) for bs in reversed(self.batch_sizes)]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        forced = self.forced if self.simulate_accept_len is not None else None
+        with torch.cuda.stream(stream):  # compile every kernel outside capture
+            for bs, n in sorted({(1, n) for n in self.context_lens} | {(self.max_bs, self.context_lens[-1])}) * 2:
+                self._forward(bs, n, self._metas(bs, n, None, None), None if forced is None else forced[:bs])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        pool = None
+        for bs, n in tqdm(shapes, desc=desc, disable=not progress, leave=False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[(bs, n)] = self._forward(bs, n, self._metas(bs, n, None, None),
+                                                      None if forced is None else forced[:bs])
+            pool = graph.pool()
+            self.graphs[(bs, n)] = graph
+        torch.cuda.synchronize(self.device)
+
+
+class ChainGraphs(SpecGraphs):
+    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, num_drafts: int, pad_slot: int,
+                 max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng,
+                 capture: bool, progress: bool = True) -> None:
+        self.k = num_drafts
+        super().__init__(target, drafter, kv_cache, num_drafts + 1, pad_slot, max_bs, max_context, page_size,
+                         simulate_accept_len, rng)
+        if capture:
+            self._capture(progress, "capturing speculative graphs")
+
+    def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        b, w, e = self.max_bs, self.width, max(self.k - 1, 1)
+        # Level-major extend rows, so one level's rows are contiguous (kernels index them as flat arrays).
+        return {"catch_ids": ((b, w), 0), "catch_pos": ((b, w), 0), "catch_slots": ((b, w), 0),
+                "last_row": ((b,), 0), "extend_pos": ((e, b), 1), "extend_slots": ((e, b), 1),
+                "root_ids": ((b,), 0), "verify_pos": ((b, w), 0), "verify_slots": ((b, w), 0), "limit": ((b,), 0),
+                "forced": ((b,), 0)}
+
+    def fits(self, batch: StepBatch) -> bool:
+        return self._greedy_fits(batch, self.k)
+
+    def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         k, w, ps, pad = self.k, self.width, self.page_size, self.pad_slot
         catch_ids = np.zeros((bs, w), np.int64)
         catch_pos = np.zeros((bs, w), np.int64)
@@ -180,23 +216,14 @@ class ChainGraphs:
             root_ids[row] = s.token_ids[0]
             verify_pos[row] = np.arange(root, root + w)
             verify_slots[row, : d + 1] = slot(verify_pos[row, : d + 1])
-        return _Rows(catch_ids, catch_pos, catch_slots, last_row, extend_pos, extend_slots, root_ids, verify_pos,
-                     verify_slots, tables, limit)
-
-    def _upload(self, rows: _Rows, bs: int, n: int) -> None:
-        # Only the first bs rows are written: a graph of batch bucket bs reads no others.
-        host = self._host
-        for name, view in self._host_views.items():
-            value = getattr(rows, name)
-            if value is not None:
-                (view[:, :bs] if name.startswith("extend") else view[:bs])[...] = value
-        pinned = self.device.type == "cuda"
-        for source, target in ((torch.from_numpy(host), self._flat),
-                               (torch.from_numpy(rows.tables), self.tables[n][:bs])):
-            target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
+        rows = dict(catch_ids=catch_ids, catch_pos=catch_pos, catch_slots=catch_slots, last_row=last_row,
+                    extend_pos=extend_pos, extend_slots=extend_slots, root_ids=root_ids, verify_pos=verify_pos,
+                    verify_slots=verify_slots, limit=limit)
+        return rows, tables
 
     # -- the program --------------------------------------------------------
-    def _metas(self, bs: int, n: int, rows: _Rows | None) -> dict[str, AttentionMetadata | list]:
+    def _metas(self, bs: int, n: int, rows: dict[str, np.ndarray] | None,
+               tables: np.ndarray | None) -> dict[str, AttentionMetadata | list]:
         """Attention metadata of the three forwards: the Triton decode kernel's (static tensors, for capture)
         on a GPU, the reference path's (built from the host rows) elsewhere."""
         if self.device.type == "cuda":
@@ -218,16 +245,16 @@ class ChainGraphs:
                 "verify": decode_meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table,
                                       target_kv),
             }
-        tables = [list(t) for t in rows.tables]
+        tables = [list(t) for t in tables]
         row_tables = [t for t in tables for _ in range(self.width)]
 
         def reference_meta(positions, tables_):
             # Each row alone: one query at its position, attending to its sequence's slots up to there.
             positions = [int(p) for p in positions]
             return AttentionMetadata.build([1] * len(positions), positions, tables_, self.page_size, self.device)
-        meta = {"catch": reference_meta(rows.catch_pos.reshape(-1), row_tables),
-                "extend": [reference_meta(rows.extend_pos[i], tables) for i in range(self.k - 1)],
-                "verify": reference_meta(rows.verify_pos.reshape(-1), row_tables)}
+        meta = {"catch": reference_meta(rows["catch_pos"].reshape(-1), row_tables),
+                "extend": [reference_meta(rows["extend_pos"][i], tables) for i in range(self.k - 1)],
+                "verify": reference_meta(rows["verify_pos"].reshape(-1), row_tables)}
         # Padded rows write their KV to the padding slot, whatever position they claim.
         return {"catch": _with_slots(meta["catch"], self.catch_slots[:bs].view(-1)),
                 "extend": [_with_slots(m, self.extend_slots[i, :bs]) for i, m in enumerate(meta["extend"])],
@@ -254,26 +281,6 @@ class ChainGraphs:
         drafter.observe(captured, meta.slot_mapping)
         best = target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
         return accept_chain(drafts, best, forced, self.limit[:bs])
-
-    @torch.inference_mode()
-    def _capture(self, progress: bool) -> None:
-        shapes = [(bs, n) for n in reversed(self.context_lens) for bs in reversed(self.batch_sizes)]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        forced = self.forced if self.simulate_accept_len is not None else None
-        with torch.cuda.stream(stream):  # compile every kernel outside capture
-            for bs, n in sorted({(1, n) for n in self.context_lens} | {(self.max_bs, self.context_lens[-1])}) * 2:
-                self._forward(bs, n, self._metas(bs, n, None), None if forced is None else forced[:bs])
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        pool = None
-        for bs, n in tqdm(shapes, desc="capturing speculative graphs", disable=not progress, leave=False):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[(bs, n)] = self._forward(bs, n, self._metas(bs, n, None),
-                                                      None if forced is None else forced[:bs])
-            pool = graph.pool()
-            self.graphs[(bs, n)] = graph
-        torch.cuda.synchronize(self.device)
 
 
 def _with_slots(meta: AttentionMetadata, slots: torch.Tensor) -> AttentionMetadata:

@@ -22,6 +22,8 @@ from specserve.spec.proposer import TreeProposer, scratch_slots
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
 CPU_KV_BYTES_CAP = 2 * 2**30
+# Tree steps as one program on a CPU too (tests check the program there; serving keeps the general search).
+TREE_PROGRAM_ON_CPU = False
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,10 +120,20 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
         from specserve.layers.pointwise import use_gpu_kernels
 
         use_gpu_kernels()
-    # EAGLE-3 chains run as one program per step (engine/chain_graphs.py).
+    # EAGLE-3 chains and trees run as one program per step (engine/chain_graphs.py, engine/tree_graphs.py).
+    # On a CPU, where a read-back costs nothing, trees keep the general search unless asked for (tests).
     use_chain = draft is not None and _is_eagle3(draft) and config.spec.eagle_topk == 1
-    # With CUDA graphs or chain programs, one extra page no request owns takes the KV of padded rows.
-    kv_cache = allocate_kv_cache(model_cfg, (num_pages + (use_graphs or use_chain)) * page_size, dtype, device)
+    use_tree = (draft is not None and _is_eagle3(draft) and config.spec.eagle_topk > 1
+                and (device.type == "cuda" or TREE_PROGRAM_ON_CPU))
+    max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
+    # Tree programs verify their nodes in scratch slots after the pages: their room comes out of the pages.
+    tree_scratch = max_bs * config.spec.max_drafts if use_tree else 0
+    num_pages -= -(-tree_scratch // page_size)
+    if num_pages < 1:
+        raise MemoryError("no room for KV pages beside the tree program's scratch slots")
+    # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
+    pad_page = use_graphs or use_chain or use_tree
+    kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + tree_scratch, dtype, device)
     proposer, plan = None, None
     if draft is not None:
         proposer = _build_proposer(config, draft, model, num_pages * page_size, kv_cache.shape[2], dtype, device)
@@ -131,19 +143,27 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed,
                          config.scheduler.max_running_requests)
+    pad_slot = num_pages * page_size
     if use_chain:
         from specserve.engine.chain_graphs import ChainGraphs
 
-        runner.chain = ChainGraphs(model, proposer.drafter, kv_cache, config.spec.max_drafts, num_pages * page_size,
-                                   min(config.cuda_graph_max_bs, config.scheduler.max_running_requests),
-                                   max_model_len, page_size, config.spec.simulate_accept_len,
-                                   runner.simulation_rng, capture=use_graphs, progress=progress)
+        runner.spec_graphs = ChainGraphs(model, proposer.drafter, kv_cache, config.spec.max_drafts, pad_slot, max_bs,
+                                         max_model_len, page_size, config.spec.simulate_accept_len,
+                                         runner.simulation_rng, capture=use_graphs, progress=progress)
+    if use_tree:
+        from specserve.engine.tree_graphs import TreeGraphs
+
+        # The head's scratch region starts after its padding slot (see _build_proposer).
+        runner.spec_graphs = TreeGraphs(model, proposer.drafter, kv_cache, config.spec.eagle_topk,
+                                        config.spec.num_steps, config.spec.max_drafts, pad_slot,
+                                        pad_slot + page_size, pad_slot + 1, max_bs, max_model_len, page_size,
+                                        config.spec.simulate_accept_len, runner.simulation_rng,
+                                        capture=use_graphs, progress=progress)
     if use_graphs:
         from specserve.engine.cuda_graphs import DecodeGraphs
 
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
-        max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
         runner.graphs = DecodeGraphs(model, kv_cache, num_pages * page_size, max_bs, max_model_len, page_size,
                                      progress, proposer, record_layers)
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.

@@ -57,7 +57,7 @@ class ModelRunner:
         self.simulation_rng = random.Random(seed)
         self.timer = NoTimer()
         self.graphs = None  # DecodeGraphs, on a GPU
-        self.chain = None  # ChainGraphs: EAGLE-3 chain steps as one program
+        self.spec_graphs = None  # ChainGraphs or TreeGraphs: an EAGLE-3 step as one program
         # Training-data capture (specserve.train.datagen): sees every computed token's taps and hidden state.
         self.recorder = None
 
@@ -70,9 +70,9 @@ class ModelRunner:
         """Queues the step on the device. A step without drafts returns before its tokens are read back;
         with `publish`, it also stores them as futures that the next step's inputs may name."""
         seqs = batch.seqs
-        if self.chain is not None and self.recorder is None and self.chain.fits(batch):
+        if self.spec_graphs is not None and self.recorder is None and self.spec_graphs.fits(batch):
             with self.timer.phase("forward"):
-                return StepOutput(ready=self.chain.run(batch))
+                return StepOutput(ready=self.spec_graphs.run(batch))
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
         if not trees and self._graph_fits(seqs) and (self.recorder is None or self.graphs.record_layers):

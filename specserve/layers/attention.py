@@ -50,6 +50,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [B] int32
     page_size: int = 0
     num_splits: int = 1
+    # Draft-tree rows (with block_tables): after positions [0, seq_lens), row b also attends to the first
+    # tail_lens[b] slots of tail_slots[b] (its ancestors' and its own, which the page table cannot reach).
+    tail_slots: torch.Tensor | None = None  # [B, T] int64
+    tail_lens: torch.Tensor | None = None  # [B] int32
 
     @classmethod
     def build(
@@ -181,10 +185,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
            scale: float) -> torch.Tensor:
     """Attention of q [T, H, D] over the cache, whose slots already hold this step's k and v. [T, H * D]."""
     if meta.block_tables is not None:
+        if not q.is_cuda:
+            return attend_rows(q, kv_cache, meta, scale)
         from specserve.layers.triton_attention import paged_decode_attention
 
         out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.page_size,
-                                     meta.num_splits)
+                                     meta.num_splits, meta.tail_slots, meta.tail_lens)
         return out.view(q.shape[0], -1)
     if len(meta.groups) == 1 and meta.groups[0].tokens is None:
         return _attend(q, k, v, kv_cache, meta.groups[0], scale)
@@ -192,6 +198,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
     for group in meta.groups:
         out[group.tokens] = _attend(q[group.tokens], k[group.tokens], v[group.tokens], kv_cache, group, scale)
     return out
+
+
+def attend_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode kernel's contract in PyTorch: row b (one query) attends to positions [0, seq_lens[b]) of its
+    page table, then to its tail slots. Runs the graph programs on a CPU, and is the kernel tests' reference."""
+    tables, page = meta.block_tables.long(), meta.page_size
+    pos = torch.arange(tables.shape[1] * page, device=q.device)
+    slots = tables[:, pos // page] * page + pos % page  # [B, L]
+    valid = pos[None, :] < meta.seq_lens[:, None]
+    if meta.tail_slots is not None:
+        tail = torch.arange(meta.tail_slots.shape[1], device=q.device)
+        slots = torch.cat([slots, meta.tail_slots], dim=1)
+        valid = torch.cat([valid, tail[None, :] < meta.tail_lens[:, None]], dim=1)
+    keys, values = kv_cache[0][slots], kv_cache[1][slots]  # [B, L, Hkv, D]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.reshape(q.shape[0], -1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, group: QueryGroup,

@@ -20,11 +20,40 @@ BLOCK_N = 32  # context tokens per inner iteration
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
-                    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh, stride_os,
-                    stride_lb, stride_lh, CHUNK,
+def _attend_block(q, K, V, slot, valid, kv_head, stride_ks, stride_kh, m, l, acc, scale,
+                  D: tl.constexpr, IEEE: tl.constexpr, MAYBE_EMPTY: tl.constexpr):
+    """One block of context slots folded into the running max m, sum l and output acc (online softmax)."""
+    d = tl.arange(0, D)
+    kv_offs = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+    k = tl.load(K + kv_offs, mask=valid[:, None], other=0.0)
+    v = tl.load(V + kv_offs, mask=valid[:, None], other=0.0)
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    if MAYBE_EMPTY:  # nothing valid so far (an empty tail, say) must leave the state as it was, not NaN
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+        p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+    else:  # context blocks always hold a valid slot
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
+                    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_tail, stride_ob, stride_oh,
+                    stride_os, stride_lb, stride_lh, CHUNK,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+                    TAIL_PAD: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -47,23 +76,16 @@ def _partial_kernel(Q, K, V, TABLES, LENS, OUT, LSE, scale,
         valid = t < end
         page = tl.load(TABLES + b * stride_tb + t // PAGE, mask=valid, other=0)
         slot = (page * PAGE + t % PAGE).to(tl.int64)
-        kv_offs = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(K + kv_offs, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_offs, mask=valid[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _attend_block(q, K, V, slot, valid, kv_head, stride_ks, stride_kh, m, l, acc, scale, D, IEEE,
+                                  False)
+    if TAIL_PAD > 0:
+        # Draft-tree rows: after the shared context, the slots of the row's ancestors and its own, listed
+        # per row (scattered, so not reachable through the page table). The first slice takes them.
+        t = tl.arange(0, TAIL_PAD)
+        valid = (t < tl.load(TAIL_LENS + b)) & (split == 0)
+        slot = tl.load(TAIL + b * stride_tail + t, mask=valid, other=0).to(tl.int64)
+        m, l, acc = _attend_block(q, K, V, slot, valid, kv_head, stride_ks, stride_kh, m, l, acc, scale, D, IEEE,
+                                  True)
     has = l > 0
     out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
     out_offs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -108,9 +130,12 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, page_size: int, splits: int,
+                           tail_slots: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None,
                            block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q [B, H, D]; kv_cache [2, slots, Hkv, D]; block_tables [B, pages] int32; seq_lens [B] int32 -> [B, H, D].
-    `block` (context tokens per inner iteration), `num_warps` and `num_stages` are tuning knobs."""
+    Row b attends to positions [0, seq_lens[b]) through its page table, then (draft trees) to the first
+    tail_lens[b] slots of tail_slots [B, T] (int64). `block` (context tokens per inner iteration),
+    `num_warps` and `num_stages` are tuning knobs."""
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[2]
     group = heads // kv_heads
@@ -122,13 +147,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                                                                          dtype=torch.float32, device=q.device)
     lse = part if direct else torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     keys, values = kv_cache[0], kv_cache[1]
+    tail_pad = 0 if tail_slots is None else max(16, triton.next_power_of_2(tail_slots.shape[1]))
+    if tail_slots is None:  # unused pointers
+        tail_slots, tail_lens = seq_lens, seq_lens
     _partial_kernel[(batch, kv_heads, splits)](
-        q, keys, values, block_tables, seq_lens, part, lse, scale,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
+        q, keys, values, block_tables, seq_lens, tail_slots, tail_lens, part, lse, scale,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0), tail_slots.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         chunk, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
         BLOCK=block, IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, num_stages=num_stages,
-        **triton_pdl.launch_options(q),
+        TAIL_PAD=tail_pad, **triton_pdl.launch_options(q),
     )
     if direct:
         return out

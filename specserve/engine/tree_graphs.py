@@ -1,0 +1,242 @@
+"""EAGLE-2 dynamic trees with an EAGLE-3 head as one device program per step, captured in CUDA graphs on a GPU.
+
+The same search as `spec/proposer.py` (top-k children per node, the k best new candidates fed back per
+level, the best N candidates overall by cumulative draft log-probability), but with fixed shapes, so one
+step is one program with one read-back:
+
+1. catch the head up on the tokens the last step accepted (as the chain program does);
+2. search: level 0 is the head's top-k after the root; each further level feeds the k best candidates of
+   the level before, k rows per sequence, each attending to the context and to its own fed ancestors;
+3. keep the N best candidates (parents come first, so every kept node's ancestors are kept);
+4. verify root + N nodes with the target in one forward, each node attending to the context and its path;
+5. accept on the device: the deepest node whose path matches the target's argmax at every step, then the
+   target's own token after it;
+6. move the accepted nodes' KV and taps from their scratch slots to the positions they now hold.
+
+Tree nodes cannot take the slots of their positions (siblings share a position), so the target writes them
+to a scratch region after its pages, and the head writes its fed nodes to the scratch region after its
+mirrored pages. The paged decode kernel reaches them as each row's "tail": a short list of slots read after
+the row's context. The root takes its own slot, so every node's context is the sequence up to the root.
+
+Greedy requests only (simulated acceptance too); anything else takes the general path. On a CPU the same
+program runs eagerly, with attention in PyTorch, which is how CI checks it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specserve.engine.chain_graphs import SpecGraphs
+from specserve.engine.scheduler import StepBatch
+from specserve.layers.attention import AttentionMetadata
+from specserve.spec.drafters import eagle3_catch_up
+from specserve.spec.proposer import search_depth
+
+
+class TreeGraphs(SpecGraphs):
+    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, topk: int, num_steps: int,
+                 num_drafts: int, pad_slot: int, target_scratch: int, head_scratch: int, max_bs: int,
+                 max_context: int, page_size: int, simulate_accept_len: float | None, rng, capture: bool,
+                 progress: bool = True) -> None:
+        """The target's KV pool holds `max_bs * num_drafts` scratch slots from `target_scratch`, the head's
+        `max_bs * topk * (depth - 1)` from `head_scratch`."""
+        self.topk, self.num_drafts = topk, num_drafts
+        self.depth = search_depth(num_drafts, topk, num_steps)
+        # Accepting a path of the full depth adds depth + 1 tokens, which the next catch-up feeds.
+        super().__init__(target, drafter, kv_cache, self.depth + 1, pad_slot, max_bs, max_context, page_size,
+                         simulate_accept_len, rng)
+        fed = topk * (self.depth - 1)
+        self.target_scratch = target_scratch + torch.arange(self.max_bs * num_drafts, device=self.device).view(
+            self.max_bs, num_drafts)
+        self.head_scratch = head_scratch + torch.arange(self.max_bs * max(fed, 1), device=self.device).view(
+            self.max_bs, max(fed, 1))
+        # Depth of every candidate: k at depth 1, then k * k per level.
+        sizes = [topk] + [topk * topk] * (self.depth - 1)
+        self.candidate_depth = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(sizes)]).to(self.device)
+        if capture:
+            self._capture(progress, "capturing speculative tree graphs")
+
+    def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        b, w = self.max_bs, self.width
+        return {"catch_ids": ((b, w), 0), "catch_pos": ((b, w), 0), "catch_slots": ((b, w), 0),
+                "last_row": ((b,), 0), "root_ids": ((b,), 0), "root_pos": ((b,), 0), "root_slots": ((b,), 0),
+                "real_slots": ((b, self.depth), 0), "limit": ((b,), 0), "forced": ((b,), 0)}
+
+    def fits(self, batch: StepBatch) -> bool:
+        return self._greedy_fits(batch, self.num_drafts)
+
+    def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        w, ps, pad, depth = self.width, self.page_size, self.pad_slot, self.depth
+        catch_ids = np.zeros((bs, w), np.int64)
+        catch_pos = np.zeros((bs, w), np.int64)
+        catch_slots = np.full((bs, w), pad, np.int64)
+        last_row = np.arange(bs, dtype=np.int64) * w
+        root_ids = np.zeros(bs, np.int64)
+        root_pos = np.zeros(bs, np.int64)
+        root_slots = np.full(bs, pad, np.int64)
+        real_slots = np.full((bs, depth), pad, np.int64)
+        tables = np.zeros((bs, width), np.int32)
+        limit = np.zeros(bs, np.int64)
+        for row, s in enumerate(seqs):
+            pages = np.asarray(s.page_ids[:width], dtype=np.int64)
+            tables[row, : len(pages)] = pages
+            slot = lambda pos: pages[pos // ps] * ps + pos % ps  # noqa: E731
+            ids, first = eagle3_catch_up(s)
+            pos = np.arange(first, first + len(ids))
+            catch_ids[row, : len(ids)], catch_pos[row, : len(ids)] = ids, pos
+            catch_slots[row, : len(ids)] = slot(pos)
+            last_row[row] = row * w + max(len(ids) - 1, 0)
+            root, d = s.start_pos, s.num_draft_tokens
+            # Pages cover root + d for d scheduled drafts, and no more than d drafts are accepted.
+            limit[row] = d
+            root_ids[row], root_pos[row], root_slots[row] = s.token_ids[0], root, slot(np.int64(root))
+            kept = min(d, depth)
+            real_slots[row, :kept] = slot(np.arange(root + 1, root + 1 + kept))
+        rows = dict(catch_ids=catch_ids, catch_pos=catch_pos, catch_slots=catch_slots, last_row=last_row,
+                    root_ids=root_ids, root_pos=root_pos, root_slots=root_slots, real_slots=real_slots, limit=limit)
+        return rows, tables
+
+    def _metas(self, bs: int, n: int, rows, tables) -> dict:
+        return {}  # built inside the program, from its own tensors
+
+    # -- the program --------------------------------------------------------
+    def _rows_meta(self, bs: int, n: int, slots: torch.Tensor, seq_lens: torch.Tensor, per_seq: int,
+                   kv_heads: int, tails: torch.Tensor | None = None,
+                   tail_lens: torch.Tensor | None = None) -> AttentionMetadata:
+        """`per_seq` rows per sequence, each one query over its sequence's pages up to seq_lens, then its tail."""
+        splits = 1
+        if self.device.type == "cuda":
+            from specserve.layers.triton_attention import num_splits
+
+            splits = num_splits(bs * per_seq, kv_heads, n)
+        return AttentionMetadata(slot_mapping=slots, block_tables=self.tables[n][:bs].repeat_interleave(per_seq, 0),
+                                 seq_lens=seq_lens.to(torch.int32), page_size=self.page_size, num_splits=splits,
+                                 tail_slots=tails, tail_lens=None if tail_lens is None else tail_lens.to(torch.int32))
+
+    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
+        candidates, state = self._search(bs, n)
+        nodes = self._select(bs, *candidates)
+        best = self._verify(bs, n, nodes)
+        tokens, accepted, path = self._accept(bs, nodes, best, forced)
+        self._move_accepted(bs, nodes, path, accepted)
+        return tokens, accepted
+
+    def _search(self, bs: int, n: int):
+        """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level."""
+        head, drafter, k = self.head, self.drafter, self.topk
+        embed = self.target.embed_tokens
+        head_kv = head.config.model.num_kv_heads
+        catch_slots = self.catch_slots[:bs].view(-1)
+        catch_pos = self.catch_pos[:bs].view(-1)
+        meta = self._rows_meta(bs, n, catch_slots, catch_pos + 1, self.width, head_kv)
+        out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], catch_pos, meta, drafter.kv_cache)
+        state = out[self.last_row[:bs]]  # [bs, H]: what the root's children are fed with
+        top = torch.log_softmax(head.compute_logits(state).float(), dim=-1).topk(k, dim=-1)
+        tokens, scores = [head.to_target_ids(top.indices)], [top.values]
+        parents = [torch.full((bs, k), -1, dtype=torch.long, device=self.device)]
+        frontier = torch.arange(k, device=self.device).expand(bs, k)  # candidates fed next
+        fed_tokens, fed_scores = tokens[0], scores[0]
+        fed_states = state[:, None, :].expand(bs, k, state.shape[-1])
+        path = torch.empty(bs, k, 0, dtype=torch.long, device=self.device)  # head scratch slots of fed nodes' paths
+        root_pos = self.root_pos[:bs]
+        for level in range(1, self.depth):
+            own = self.head_scratch[:bs, (level - 1) * k: level * k]
+            path = torch.cat([path, own[..., None]], dim=-1)
+            meta = self._rows_meta(bs, n, own.reshape(-1), root_pos.repeat_interleave(k), k, head_kv,
+                                   path.reshape(bs * k, level),
+                                   torch.full((bs * k,), level, device=self.device))
+            positions = (root_pos + level - 1).repeat_interleave(k)
+            out = head(embed(fed_tokens.reshape(-1)), fed_states.reshape(bs * k, -1), positions, meta,
+                       drafter.kv_cache)
+            top = torch.log_softmax(head.compute_logits(out).float(), dim=-1).topk(k, dim=-1)
+            child_scores = (fed_scores[..., None] + top.values.view(bs, k, k)).view(bs, k * k)
+            child_tokens = head.to_target_ids(top.indices).view(bs, k * k)
+            tokens.append(child_tokens)
+            scores.append(child_scores)
+            parents.append(frontier.repeat_interleave(k, dim=1))
+            if level == self.depth - 1:
+                break
+            # The k best children are fed next (stable: ties go to the earlier candidate, as in the search).
+            order = torch.sort(child_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+            parent = order // k
+            frontier = k + (level - 1) * k * k + order
+            fed_tokens, fed_scores = child_tokens.gather(1, order), child_scores.gather(1, order)
+            fed_states = out.view(bs, k, -1).gather(1, parent[..., None].expand(-1, -1, out.shape[-1]))
+            path = path.gather(1, parent[..., None].expand(-1, -1, level))
+        return (torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)), state
+
+    def _select(self, bs: int, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> dict:
+        """The N best candidates, parents first, as tree nodes 1..N under the root (node 0)."""
+        n = self.num_drafts
+        ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
+        kept = ranked.sort(dim=-1).values  # candidate order: parents before children
+        node_of = torch.zeros_like(tokens)
+        node_of.scatter_(1, kept, torch.arange(1, n + 1, device=self.device).expand(bs, n))
+        kept_parents = parents.gather(1, kept)
+        zero = torch.zeros(bs, 1, dtype=torch.long, device=self.device)
+        parent = torch.cat([zero, torch.where(kept_parents < 0, 0, node_of.gather(1, kept_parents.clamp(min=0)))], 1)
+        depth = torch.cat([zero, self.candidate_depth[kept]], dim=1)
+        # A sequence scheduled with d < N drafts verifies the tree of its d best candidates (pages cover
+        # root + d): the others are computed but never accepted.
+        rank = torch.zeros_like(parent)
+        rank.scatter_(1, node_of.gather(1, ranked), torch.arange(n, device=self.device).expand(bs, n))
+        in_tree = rank < self.limit[:bs, None]
+        in_tree[:, 0] = True
+        # Each node's path, depth by depth: path[b, i, d] is node i's ancestor at depth d + 1 (itself last).
+        path = torch.zeros(bs, n + 1, self.depth + 1, dtype=torch.long, device=self.device)
+        node = torch.arange(n + 1, device=self.device).expand(bs, n + 1)
+        level = depth - 1
+        for _ in range(self.depth):
+            path.scatter_(2, torch.where(level >= 0, level, self.depth)[..., None], node[..., None])
+            node, level = parent.gather(1, node), level - 1
+        return {"tokens": torch.cat([self.root_ids[:bs, None], tokens.gather(1, kept)], dim=1),
+                "parent": parent, "depth": depth, "path": path[..., : self.depth].contiguous(), "in_tree": in_tree,
+                "slots": torch.cat([self.root_slots[:bs, None], self.target_scratch[:bs]], dim=1)}
+
+    def _verify(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
+        """The target's argmax after every node [bs, N + 1]; stores the nodes' KV and taps in their slots."""
+        width = self.num_drafts + 1
+        tails = nodes["slots"].gather(1, nodes["path"].view(bs, -1)).view(bs * width, self.depth)
+        root_pos = self.root_pos[:bs]
+        meta = self._rows_meta(bs, n, nodes["slots"].reshape(-1), (root_pos + 1).repeat_interleave(width), width,
+                               self.target.config.num_kv_heads, tails, nodes["depth"].reshape(-1))
+        positions = (root_pos[:, None] + nodes["depth"]).view(-1)
+        hidden, captured = self.target(nodes["tokens"].reshape(-1), positions, meta, self.kv_cache,
+                                       self.drafter.capture_layers)
+        self.drafter.observe(captured, meta.slot_mapping)
+        return self.target.compute_logits(hidden).argmax(dim=-1).view(bs, width)
+
+    def _accept(self, bs: int, nodes: dict, best: torch.Tensor, forced: torch.Tensor | None):
+        """(tokens [bs, depth + 1], accepted drafts [bs], the accepted node's path [bs, depth])."""
+        parent, depth, in_tree = nodes["parent"], nodes["depth"], nodes["in_tree"]
+        if forced is None:
+            # A node is reachable when its token is the target's choice after its parent, all the way up.
+            matches = nodes["tokens"] == best.gather(1, parent)
+            matches[:, 0] = True
+            reachable = matches
+            for _ in range(self.depth):
+                reachable = matches & reachable.gather(1, parent)
+            reachable &= in_tree
+            leaf = (reachable * (depth + 1)).argmax(dim=1)  # siblings differ, so one node per depth at most
+        else:  # simulated: follow each node's first child, `forced` levels down
+            width = self.num_drafts + 1
+            first_child = torch.full((bs, width), width, dtype=torch.long, device=self.device)
+            index = torch.arange(1, width, device=self.device).expand(bs, -1)
+            first_child.scatter_reduce_(1, parent[:, 1:], torch.where(in_tree[:, 1:], index, width), "amin")
+            leaf = torch.zeros(bs, dtype=torch.long, device=self.device)
+            for d in range(self.depth):
+                child = first_child.gather(1, leaf[:, None]).squeeze(1)
+                leaf = torch.where((child < width) & (d < forced), child, leaf)
+        accepted = depth.gather(1, leaf[:, None]).squeeze(1)
+        path = nodes["path"].gather(1, leaf[:, None, None].expand(-1, 1, self.depth)).squeeze(1)
+        tokens = torch.cat([nodes["tokens"].gather(1, path), torch.zeros_like(path[:, :1])], dim=1)
+        tokens.scatter_(1, accepted[:, None], best.gather(1, leaf[:, None]))
+        return tokens, accepted, path
+
+    def _move_accepted(self, bs: int, nodes: dict, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The d-th accepted node's KV and taps go from its scratch slot to the slot of root + d."""
+        keep = torch.arange(self.depth, device=self.device)[None, :] < accepted[:, None]
+        src = torch.where(keep, nodes["slots"].gather(1, path), self.pad_slot).view(-1)
+        dst = torch.where(keep, self.real_slots[:bs], self.pad_slot).view(-1)
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        self.drafter.move_slots(src, dst)
