@@ -7,7 +7,8 @@
 # specsweep: the offline sweep again with an EAGLE-3 chain (3 drafts, simulated tau 3) and a tree (top-4, 5 levels,
 # 16 drafts, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
-# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep] [tax] [profile] [smol] [gemv_ab] [idle]
+# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [tax] [profile]
+#        [smol] [gemv_ab] [idle]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,19 +39,23 @@ if want sweep; then
   cat "$OUT/sweep_c1.jsonl" "$OUT/sweep_c10_250.jsonl" > "$OUT/offline_8b_plain.jsonl"
   rm -f "$OUT"/sweep_c*
 fi
-if want specsweep; then
+if want specsweep || want chainsweep || want treesweep; then
   model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
          --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
          --ignore-eos --quiet --speculative-algorithm EAGLE3)
   chain=(--speculative-num-steps 3 --speculative-simulate-accept-len 3.0 --label "EAGLE-3 chain 3 (simulated tau 3)")
   tree=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
         --speculative-simulate-accept-len 4.0 --label "EAGLE-3 tree 4/5/16 (simulated tau 4)")
-  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/chain_c1.jsonl"
-  python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 10,30,70,100,250 --out "$OUT/chain_c10.jsonl"
-  python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 1 --num-prompts 4 --out "$OUT/tree_c1.jsonl"
-  python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 10 --num-prompts 20 --out "$OUT/tree_c10.jsonl"
-  cat "$OUT/chain_c1.jsonl" "$OUT/chain_c10.jsonl" > "$OUT/offline_8b_chain.jsonl"
-  cat "$OUT/tree_c1.jsonl" "$OUT/tree_c10.jsonl" > "$OUT/offline_8b_tree.jsonl"
+  if want specsweep || want treesweep; then
+    python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/tree_c1.jsonl"
+    python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 10,30,70,100,250 --out "$OUT/tree_c10.jsonl"
+    cat "$OUT/tree_c1.jsonl" "$OUT/tree_c10.jsonl" > "$OUT/offline_8b_tree.jsonl"
+  fi
+  if want specsweep || want chainsweep; then
+    python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/chain_c1.jsonl"
+    python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 10,30,70,100,250 --out "$OUT/chain_c10.jsonl"
+    cat "$OUT/chain_c1.jsonl" "$OUT/chain_c10.jsonl" > "$OUT/offline_8b_chain.jsonl"
+  fi
   rm -f "$OUT"/chain_c*.* "$OUT"/tree_c*.* "$OUT"/sweep_c*.png
 fi
 if want tax; then

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from profile_gpu_step import top_kernels
 from specserve.bench.decode import hardware_info, make_prompts
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.factory import build_engine_core
@@ -39,7 +40,10 @@ class TimedGraph:
     def __init__(self, graph, log: list) -> None:
         self.graph, self.log = graph, log
 
+    last = None  # the graph replayed last, for --profile
+
     def replay(self) -> None:
+        TimedGraph.last = self
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         self.graph.replay()
@@ -84,6 +88,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS), metavar="NAME",
                    help="which rows to run (default: all); the first must be plain")
+    p.add_argument("--profile", action="store_true",
+                   help="after each setup's batch-1 run, list the kernels of its last step's graph (torch.profiler)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
@@ -96,6 +102,9 @@ def main() -> None:
             decode_run(engine, batch, args.prompt_len, 8)  # warm-up
             rows.append({"setup": name, "batch_size": batch,
                          **decode_run(engine, batch, args.prompt_len, args.output_len)})
+            if args.profile and batch == 1 and TimedGraph.last is not None:
+                # Replaying the last step again recomputes it in place: same shapes, same kernels.
+                rows[-1]["kernels"] = top_kernels(TimedGraph.last.graph.replay, limit=40)
             print(rows[-1], flush=True)
         del engine
     plain = {r["batch_size"]: r["decode_tok_s"] for r in rows if r["setup"] == "plain"}

@@ -22,6 +22,7 @@ from specserve.spec.proposer import TreeProposer, scratch_slots
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
 CPU_KV_BYTES_CAP = 2 * 2**30
+RANDOM_HEAD_LOGIT_STD = 10.0
 # Tree steps as one program on a CPU too (tests check the program there; serving keeps the general search).
 TREE_PROGRAM_ON_CPU = False
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -183,9 +184,13 @@ def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, d
         if path is None and config.load_format != "dummy":
             raise ValueError("--speculative-draft-model-path is required for EAGLE3 (a random head needs "
                              "--load-format dummy)")
-        # A random head drafts over 32k tokens, the draft vocabulary of public Llama-3 EAGLE-3 heads.
+        # A random head drafts over 32k tokens, the draft vocabulary of public Llama-3 EAGLE-3 heads. Its logits
+        # get a spread (std 10) at which its top choice holds ~70 % of the probability, as a trained head's
+        # often does; near-uniform drafts would keep EAGLE-2's best nodes within two levels, so a simulated
+        # acceptance length could never reach the depths trees are built for. Costs do not change.
         head = load_eagle3_head(path, target_cfg, dtype, device, max_model_len, config.random_seed,
-                                draft_vocab_size=None if path else min(32000, target_cfg.vocab_size))
+                                draft_vocab_size=None if path else min(32000, target_cfg.vocab_size),
+                                logit_std=None if path else RANDOM_HEAD_LOGIT_STD)
         if head.config.target_hidden_size != target_cfg.hidden_size or head.d2t.max() + head.config.draft_vocab_size > target_cfg.vocab_size:
             raise ValueError("the EAGLE-3 head does not match the target: hidden size or vocabulary differ")
         return head

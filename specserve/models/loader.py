@@ -43,13 +43,16 @@ def build_model(
     return model
 
 
+RANDOM_STD = 0.02  # of random (dummy) weights
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
-            param.data.normal_(0.0, 0.02, generator=generator)
+            param.data.normal_(0.0, RANDOM_STD, generator=generator)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -147,10 +150,11 @@ def load_eagle3_head(
     max_positions: int,
     seed: int = 0,
     draft_vocab_size: int | None = None,
+    logit_std: float | None = None,
 ) -> torch.nn.Module:
     """An EAGLE-3 head from a public-format checkpoint directory (random weights when `model_dir` is None:
     then the head is shaped like one target layer, drafting over the first `draft_vocab_size` target ids,
-    all of them by default)."""
+    all of them by default, and `logit_std` sets the spread of its logits)."""
     from specserve.models.eagle3 import Eagle3Config, Eagle3Head
 
     if model_dir is None:
@@ -165,6 +169,8 @@ def load_eagle3_head(
     head.rotary.float()
     if model_dir is None:
         _randomize(head, seed)
+        if logit_std is not None:  # rows of std 0.02 over a unit-RMS hidden state give logits of std 0.02 * sqrt(H)
+            head.lm_head.weight.data.mul_(logit_std / (RANDOM_STD * cfg.model.hidden_size**0.5))
         head.d2t.zero_()
         head.t2d.copy_(torch.arange(target_cfg.vocab_size, device=device) < cfg.draft_vocab_size)
     else:
