@@ -5,7 +5,7 @@
 # Then the cost of speculation switched off (benchmarks/spec_off_tax.py), a kernel-level profile of decode
 # and prefill steps (benchmarks/profile_gpu_step.py), and the GPU's idle time at C = 250 (benchmarks/gpu_idle.py).
 # specsweep: the offline sweep again with an EAGLE-3 chain (3 drafts, simulated tau 3) and a tree (top-4, 5 levels,
-# 16 drafts, simulated tau 4), random head of the target's shape.
+# 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [tax] [profile]
 #        [smol] [gemv_ab] [idle]

@@ -1,8 +1,8 @@
 """Is speculation that is switched off free? On one GPU, Llama-3.1-8B shape with random bf16 weights:
 plain decode vs the same engine with an EAGLE-3 head configured but a plan of 0 drafts (graphs replay and
 the head's taps are stored), vs drafting a 3-token chain every step with acceptance simulated at tau = 3, vs a
-top-4 tree of 16 drafts over 5 levels at simulated tau = 4 (random head of the target's shape). Per decode
-step it also reports the wall time and the device time of the step's CUDA-graph replay (plain and chain steps),
+top-4 tree of 15 drafts (16 verified tokens) over 5 levels at simulated tau = 4 (random head of the target's shape). Per decode
+step it also reports the wall time and the device time of the step's CUDA-graph replay (plain, chain and tree steps),
 so the host's share of a step shows.
 
     python benchmarks/spec_off_tax.py --out benchmarks/results/spec_off_tax_h200.json
@@ -29,7 +29,7 @@ SETUPS = {
     "plain": (SpecConfig(), None),
     "EAGLE-3 configured, 0 drafts": (SpecConfig("EAGLE3", None, 3), 0),
     "EAGLE-3 chain 3, simulated tau 3": (SpecConfig("EAGLE3", None, 3, simulate_accept_len=3.0), None),
-    "EAGLE-3 tree top-4, 5 steps, 16 drafts, simulated tau 4":
+    "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4":
         (SpecConfig("EAGLE3", None, 5, 4, 16, simulate_accept_len=4.0), None),
 }
 
@@ -37,13 +37,17 @@ SETUPS = {
 class TimedGraph:
     """Wraps a captured graph so each replay's device time is recorded with CUDA events."""
 
-    def __init__(self, graph, log: list) -> None:
-        self.graph, self.log = graph, log
+    last_spec = None  # the speculative step graph replayed last, for --profile
+    last_plain = None
 
-    last = None  # the graph replayed last, for --profile
+    def __init__(self, graph, log: list, speculative: bool) -> None:
+        self.graph, self.log, self.speculative = graph, log, speculative
 
     def replay(self) -> None:
-        TimedGraph.last = self
+        if self.speculative:
+            TimedGraph.last_spec = self
+        else:
+            TimedGraph.last_plain = self
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         self.graph.replay()
@@ -52,11 +56,12 @@ class TimedGraph:
 
 
 def time_replays(engine) -> list:
-    """Every graph replay of plain decode and chain steps from now on logs its device time."""
+    """Every graph replay of plain decode and speculative (chain or tree) steps from now on logs its device time."""
     log = []
-    for graphs in (engine.runner.graphs, engine.runner.spec_graphs):
+    for graphs, speculative in ((engine.runner.graphs, False), (engine.runner.spec_graphs, True)):
         if graphs is not None:
-            graphs.graphs = {shape: TimedGraph(getattr(g, "graph", g), log) for shape, g in graphs.graphs.items()}
+            graphs.graphs = {shape: TimedGraph(getattr(g, "graph", g), log, speculative)
+                             for shape, g in graphs.graphs.items()}
     return log
 
 
@@ -68,11 +73,12 @@ def decode_run(engine, batch: int, prompt_len: int, output_len: int) -> dict:
     counts, counted, first, steps = 0, 0, None, 0
     log = time_replays(engine)
     while engine.has_work():
-        counts += sum(len(d.new_token_ids) for d in engine.step())
+        new = sum(len(d.new_token_ids) for d in engine.step())
+        counts += new
         if first is None and counts:
             first, counted = time.perf_counter(), counts
             log.clear()
-        elif first is not None:
+        elif first is not None and new:  # a last call that only collects nothing is not a step
             steps += 1
     wall = time.perf_counter() - first
     torch.cuda.synchronize()
@@ -102,9 +108,10 @@ def main() -> None:
             decode_run(engine, batch, args.prompt_len, 8)  # warm-up
             rows.append({"setup": name, "batch_size": batch,
                          **decode_run(engine, batch, args.prompt_len, args.output_len)})
-            if args.profile and batch == 1 and TimedGraph.last is not None:
+            last = TimedGraph.last_spec if spec.algorithm else TimedGraph.last_plain
+            if args.profile and batch == 1 and last is not None:
                 # Replaying the last step again recomputes it in place: same shapes, same kernels.
-                rows[-1]["kernels"] = top_kernels(TimedGraph.last.graph.replay, limit=40)
+                rows[-1]["kernels"] = top_kernels(last.graph.replay, limit=40)
             print(rows[-1], flush=True)
         del engine
     plain = {r["batch_size"]: r["decode_tok_s"] for r in rows if r["setup"] == "plain"}

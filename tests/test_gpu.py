@@ -186,27 +186,28 @@ def test_overlapped_steps_never_wait_for_the_device_and_match_transformers(tiny_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_triton_decode_attention_with_tails_matches_the_row_reference(dtype, splits):
+@pytest.mark.parametrize("rows_per_seq", [1, 3])
+def test_triton_decode_attention_with_tails_matches_the_row_reference(dtype, splits, rows_per_seq):
     """Draft-tree rows: the context through the page table, then a tail of scattered slots (none, one, many),
-    against the PyTorch form of the same contract."""
+    against the PyTorch form of the same contract; with rows_per_seq > 1, runs of rows share a sequence's
+    context and one program reads it for all of them."""
     from specserve.layers.attention import AttentionMetadata, attend_rows
+    from specserve.layers.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
     page, heads, kv_heads, dim, rows = 16, 32, 8, 128, 6
     pool = torch.randn(2, 4096, kv_heads, dim, device="cuda", dtype=dtype)
-    tables = torch.randint(0, 200, (rows, 40), dtype=torch.int32, device="cuda")
-    lens = torch.tensor([1, 17, 300, 640, 64, 5], dtype=torch.int32, device="cuda")
+    seqs = rows // rows_per_seq
+    tables = torch.randint(0, 200, (seqs, 40), dtype=torch.int32, device="cuda").repeat_interleave(rows_per_seq, 0)
+    lens = torch.tensor([1, 17, 300, 640, 64, 5], dtype=torch.int32, device="cuda")[:seqs]
+    lens = lens.repeat_interleave(rows_per_seq)
     tails = torch.randint(3200, 4096, (rows, 6), device="cuda")
     tail_lens = torch.tensor([0, 1, 6, 3, 2, 6], dtype=torch.int32, device="cuda")
     q = torch.randn(rows, heads, dim, device="cuda", dtype=dtype)
-    meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=tables, seq_lens=lens, page_size=page,
-                             num_splits=splits, tail_slots=tails, tail_lens=tail_lens)
-    reference = attend_rows(q.float().cpu(), pool.float().cpu(), replace(
-        meta, block_tables=tables.cpu(), seq_lens=lens.cpu(), tail_slots=tails.cpu(), tail_lens=tail_lens.cpu()),
-        dim**-0.5)
-    from specserve.layers.triton_attention import paged_decode_attention
-
-    ours = paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails, tail_lens)
+    meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=tables.cpu(), seq_lens=lens.cpu(), page_size=page,
+                             tail_slots=tails.cpu(), tail_lens=tail_lens.cpu())
+    reference = attend_rows(q.float().cpu(), pool.float().cpu(), meta, dim**-0.5)
+    ours = paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails, tail_lens, rows_per_seq)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
 

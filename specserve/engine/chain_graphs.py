@@ -86,8 +86,32 @@ class SpecGraphs:
             self._host_views[name] = self._host[offset:offset + size].reshape(shape)
             self._batch_axis[name] = axis
             offset += size
+        # Until a step writes them, slot inputs name the padding slot: warm-up and capture then write nowhere
+        # that a request could own.
+        for name, view in self._host_views.items():
+            if name.endswith("slots"):
+                view[...] = self.pad_slot
+        self._flat.copy_(torch.from_numpy(self._host))
         self.tables = {n: torch.zeros(self.max_bs, -(-n // self.page_size), dtype=torch.int32, device=self.device)
                        for n in self.context_lens}
+
+    def _describe_catch_up(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """What every program's rows begin with: each sequence's page table (`width` pages) and the head's
+        catch-up rows, padded to `self.width` per sequence (padding writes to the padding slot)."""
+        w = self.width
+        rows = {"catch_ids": np.zeros((bs, w), np.int64), "catch_pos": np.zeros((bs, w), np.int64),
+                "catch_slots": np.full((bs, w), self.pad_slot, np.int64),
+                "last_row": np.arange(bs, dtype=np.int64) * w}
+        tables = np.zeros((bs, width), np.int32)
+        for row, s in enumerate(seqs):
+            pages = np.asarray(s.page_ids[:width], dtype=np.int64)
+            tables[row, : len(pages)] = pages
+            ids, first = eagle3_catch_up(s)
+            pos = np.arange(first, first + len(ids))
+            rows["catch_ids"][row, : len(ids)], rows["catch_pos"][row, : len(ids)] = ids, pos
+            rows["catch_slots"][row, : len(ids)] = page_slots(pages, pos, self.page_size)
+            rows["last_row"][row] = row * w + max(len(ids) - 1, 0)
+        return rows, tables
 
     def _greedy_fits(self, batch: StepBatch, max_drafts: int) -> bool:
         """Greedy decoding rows only (the program's bonus token is the target's argmax), at most `max_drafts`
@@ -118,7 +142,7 @@ class SpecGraphs:
         rows, tables = self._describe(seqs, bs, self.tables[n].shape[1])
         forced = None
         if self.simulate_accept_len is not None:
-            # One draw per drafting sequence, in order, as the tree path draws.
+            # One draw per drafting sequence, in order, as the general path draws.
             drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), s.num_draft_tokens)
                      if s.num_draft_tokens else 0 for s in seqs]
             rows["forced"] = np.array(drawn + [0] * (bs - b), np.int64)
@@ -187,37 +211,25 @@ class ChainGraphs(SpecGraphs):
 
     def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         k, w, ps, pad = self.k, self.width, self.page_size, self.pad_slot
-        catch_ids = np.zeros((bs, w), np.int64)
-        catch_pos = np.zeros((bs, w), np.int64)
-        catch_slots = np.full((bs, w), pad, np.int64)
-        last_row = np.arange(bs, dtype=np.int64) * w
+        rows, tables = self._describe_catch_up(seqs, bs, width)
         extend_pos = np.zeros((max(k - 1, 1), bs), np.int64)
         extend_slots = np.full((max(k - 1, 1), bs), pad, np.int64)
         root_ids = np.zeros(bs, np.int64)
         verify_pos = np.zeros((bs, w), np.int64)
         verify_slots = np.full((bs, w), pad, np.int64)
-        tables = np.zeros((bs, width), np.int32)
         limit = np.zeros(bs, np.int64)
         for row, s in enumerate(seqs):
-            pages = np.asarray(s.page_ids[:width], dtype=np.int64)
-            tables[row, : len(pages)] = pages
-            slot = lambda pos: pages[pos // ps] * ps + pos % ps  # noqa: E731
-            ids, first = eagle3_catch_up(s)
-            pos = np.arange(first, first + len(ids))
-            catch_ids[row, : len(ids)], catch_pos[row, : len(ids)] = ids, pos
-            catch_slots[row, : len(ids)] = slot(pos)
-            last_row[row] = row * w + max(len(ids) - 1, 0)
+            pages = tables[row].astype(np.int64)
             # Pages cover root + d for d scheduled drafts: rows past that write to the padding slot (their
             # outputs are never accepted).
             root, d = s.start_pos, s.num_draft_tokens
             limit[row] = d
             extend_pos[: k - 1, row] = np.arange(root, root + k - 1)
-            extend_slots[: d, row] = slot(extend_pos[: d, row])
+            extend_slots[: d, row] = page_slots(pages, extend_pos[: d, row], ps)
             root_ids[row] = s.token_ids[0]
             verify_pos[row] = np.arange(root, root + w)
-            verify_slots[row, : d + 1] = slot(verify_pos[row, : d + 1])
-        rows = dict(catch_ids=catch_ids, catch_pos=catch_pos, catch_slots=catch_slots, last_row=last_row,
-                    extend_pos=extend_pos, extend_slots=extend_slots, root_ids=root_ids, verify_pos=verify_pos,
+            verify_slots[row, : d + 1] = page_slots(pages, verify_pos[row, : d + 1], ps)
+        rows.update(extend_pos=extend_pos, extend_slots=extend_slots, root_ids=root_ids, verify_pos=verify_pos,
                     verify_slots=verify_slots, limit=limit)
         return rows, tables
 
@@ -281,6 +293,10 @@ class ChainGraphs(SpecGraphs):
         drafter.observe(captured, meta.slot_mapping)
         best = target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
         return accept_chain(drafts, best, forced, self.limit[:bs])
+
+
+def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
+    return pages[positions // page_size] * page_size + positions % page_size
 
 
 def _with_slots(meta: AttentionMetadata, slots: torch.Tensor) -> AttentionMetadata:

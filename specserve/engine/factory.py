@@ -115,23 +115,20 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     draft = _build_draft_network(config, model_cfg, dtype, device, max_model_len, progress)
     page_size = config.cache.page_size
     per_token = kv_bytes_per_token(model_cfg, dtype) + (_draft_bytes_per_token(draft, dtype) if draft else 0)
-    num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device))
-    use_graphs = device.type == "cuda" and not config.disable_cuda_graph
-    if use_graphs:
-        from specserve.layers.pointwise import use_gpu_kernels
-
-        use_gpu_kernels()
     # EAGLE-3 chains and trees run as one program per step (engine/chain_graphs.py, engine/tree_graphs.py).
     # On a CPU, where a read-back costs nothing, trees keep the general search unless asked for (tests).
     use_chain = draft is not None and _is_eagle3(draft) and config.spec.eagle_topk == 1
     use_tree = (draft is not None and _is_eagle3(draft) and config.spec.eagle_topk > 1
                 and (device.type == "cuda" or TREE_PROGRAM_ON_CPU))
     max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
-    # Tree programs verify their nodes in scratch slots after the pages: their room comes out of the pages.
+    # Tree programs verify their nodes in scratch slots after the pages; their room is not the requests'.
     tree_scratch = max_bs * config.spec.max_drafts if use_tree else 0
-    num_pages -= -(-tree_scratch // page_size)
-    if num_pages < 1:
-        raise MemoryError("no room for KV pages beside the tree program's scratch slots")
+    num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device) - tree_scratch * per_token)
+    use_graphs = device.type == "cuda" and not config.disable_cuda_graph
+    if use_graphs:
+        from specserve.layers.pointwise import use_gpu_kernels
+
+        use_gpu_kernels()
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
     pad_page = use_graphs or use_chain or use_tree
     kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + tree_scratch, dtype, device)

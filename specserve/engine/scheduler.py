@@ -110,7 +110,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------
     def schedule(self) -> StepBatch:
         """With speculation configured, a step drafts only when no prompt work is pending, so a drafting step
-        holds decoding requests alone (the shape the chain program and its CUDA graphs take). While prompts
+        holds decoding requests alone (the shape the chain and tree programs and their CUDA graphs take). While prompts
         are pending, decoding requests still join every step, without drafts: they never wait on prompts."""
         drafting = self.draft_plan is not None and not self._prompt_work_pending()
         budget = self.config.chunked_prefill_size

@@ -1,7 +1,8 @@
 """EAGLE-2 dynamic trees with an EAGLE-3 head as one device program per step, captured in CUDA graphs on a GPU.
 
 The same search as `spec/proposer.py` (top-k children per node, the k best new candidates fed back per
-level, the best N candidates overall by cumulative draft log-probability), but with fixed shapes, so one
+level, the best N candidates overall by cumulative draft log-probability; cumulative scores here are summed
+in float32 rather than Python floats, which can only reorder exact near-ties), but with fixed shapes, so one
 step is one program with one read-back:
 
 1. catch the head up on the tokens the last step accepted (as the chain program does);
@@ -26,10 +27,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.engine.chain_graphs import SpecGraphs
+from specserve.engine.chain_graphs import SpecGraphs, page_slots
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
-from specserve.spec.drafters import eagle3_catch_up
 from specserve.spec.proposer import search_depth
 
 
@@ -66,55 +66,47 @@ class TreeGraphs(SpecGraphs):
         return self._greedy_fits(batch, self.num_drafts)
 
     def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        w, ps, pad, depth = self.width, self.page_size, self.pad_slot, self.depth
-        catch_ids = np.zeros((bs, w), np.int64)
-        catch_pos = np.zeros((bs, w), np.int64)
-        catch_slots = np.full((bs, w), pad, np.int64)
-        last_row = np.arange(bs, dtype=np.int64) * w
+        ps, pad, depth = self.page_size, self.pad_slot, self.depth
+        rows, tables = self._describe_catch_up(seqs, bs, width)
         root_ids = np.zeros(bs, np.int64)
         root_pos = np.zeros(bs, np.int64)
         root_slots = np.full(bs, pad, np.int64)
         real_slots = np.full((bs, depth), pad, np.int64)
-        tables = np.zeros((bs, width), np.int32)
         limit = np.zeros(bs, np.int64)
         for row, s in enumerate(seqs):
-            pages = np.asarray(s.page_ids[:width], dtype=np.int64)
-            tables[row, : len(pages)] = pages
-            slot = lambda pos: pages[pos // ps] * ps + pos % ps  # noqa: E731
-            ids, first = eagle3_catch_up(s)
-            pos = np.arange(first, first + len(ids))
-            catch_ids[row, : len(ids)], catch_pos[row, : len(ids)] = ids, pos
-            catch_slots[row, : len(ids)] = slot(pos)
-            last_row[row] = row * w + max(len(ids) - 1, 0)
+            pages = tables[row].astype(np.int64)
             root, d = s.start_pos, s.num_draft_tokens
             # Pages cover root + d for d scheduled drafts, and no more than d drafts are accepted.
             limit[row] = d
-            root_ids[row], root_pos[row], root_slots[row] = s.token_ids[0], root, slot(np.int64(root))
+            root_ids[row], root_pos[row] = s.token_ids[0], root
+            root_slots[row] = page_slots(pages, np.int64(root), ps)
             kept = min(d, depth)
-            real_slots[row, :kept] = slot(np.arange(root + 1, root + 1 + kept))
-        rows = dict(catch_ids=catch_ids, catch_pos=catch_pos, catch_slots=catch_slots, last_row=last_row,
-                    root_ids=root_ids, root_pos=root_pos, root_slots=root_slots, real_slots=real_slots, limit=limit)
+            real_slots[row, :kept] = page_slots(pages, np.arange(root + 1, root + 1 + kept), ps)
+        rows.update(root_ids=root_ids, root_pos=root_pos, root_slots=root_slots, real_slots=real_slots, limit=limit)
         return rows, tables
 
     def _metas(self, bs: int, n: int, rows, tables) -> dict:
-        return {}  # built inside the program, from its own tensors
+        return {}  # the program builds its metadata from its own tensors, on every device
 
     # -- the program --------------------------------------------------------
     def _rows_meta(self, bs: int, n: int, slots: torch.Tensor, seq_lens: torch.Tensor, per_seq: int,
-                   kv_heads: int, tails: torch.Tensor | None = None,
-                   tail_lens: torch.Tensor | None = None) -> AttentionMetadata:
-        """`per_seq` rows per sequence, each one query over its sequence's pages up to seq_lens, then its tail."""
+                   kv_heads: int, tails: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None,
+                   shared: bool = False) -> AttentionMetadata:
+        """`per_seq` rows per sequence, each one query over its sequence's pages up to seq_lens, then its tail.
+        `shared`: a sequence's rows have one context length, so the kernel reads it once for all of them."""
+        rows_per_seq = per_seq if shared else 1
         splits = 1
         if self.device.type == "cuda":
             from specserve.layers.triton_attention import num_splits
 
-            splits = num_splits(bs * per_seq, kv_heads, n)
+            splits = num_splits(bs * per_seq // rows_per_seq, kv_heads, n)
         return AttentionMetadata(slot_mapping=slots, block_tables=self.tables[n][:bs].repeat_interleave(per_seq, 0),
                                  seq_lens=seq_lens.to(torch.int32), page_size=self.page_size, num_splits=splits,
-                                 tail_slots=tails, tail_lens=None if tail_lens is None else tail_lens.to(torch.int32))
+                                 tail_slots=tails, tail_lens=None if tail_lens is None else tail_lens.to(torch.int32),
+                                 rows_per_seq=rows_per_seq)
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
-        candidates, state = self._search(bs, n)
+        candidates = self._search(bs, n)
         nodes = self._select(bs, *candidates)
         best = self._verify(bs, n, nodes)
         tokens, accepted, path = self._accept(bs, nodes, best, forced)
@@ -143,8 +135,8 @@ class TreeGraphs(SpecGraphs):
             own = self.head_scratch[:bs, (level - 1) * k: level * k]
             path = torch.cat([path, own[..., None]], dim=-1)
             meta = self._rows_meta(bs, n, own.reshape(-1), root_pos.repeat_interleave(k), k, head_kv,
-                                   path.reshape(bs * k, level),
-                                   torch.full((bs * k,), level, device=self.device))
+                                   path.reshape(bs * k, level), torch.full((bs * k,), level, device=self.device),
+                                   shared=True)
             positions = (root_pos + level - 1).repeat_interleave(k)
             out = head(embed(fed_tokens.reshape(-1)), fed_states.reshape(bs * k, -1), positions, meta,
                        drafter.kv_cache)
@@ -163,7 +155,7 @@ class TreeGraphs(SpecGraphs):
             fed_tokens, fed_scores = child_tokens.gather(1, order), child_scores.gather(1, order)
             fed_states = out.view(bs, k, -1).gather(1, parent[..., None].expand(-1, -1, out.shape[-1]))
             path = path.gather(1, parent[..., None].expand(-1, -1, level))
-        return (torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)), state
+        return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
 
     def _select(self, bs: int, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> dict:
         """The N best candidates, parents first, as tree nodes 1..N under the root (node 0)."""
@@ -199,7 +191,7 @@ class TreeGraphs(SpecGraphs):
         tails = nodes["slots"].gather(1, nodes["path"].view(bs, -1)).view(bs * width, self.depth)
         root_pos = self.root_pos[:bs]
         meta = self._rows_meta(bs, n, nodes["slots"].reshape(-1), (root_pos + 1).repeat_interleave(width), width,
-                               self.target.config.num_kv_heads, tails, nodes["depth"].reshape(-1))
+                               self.target.config.num_kv_heads, tails, nodes["depth"].reshape(-1), shared=True)
         positions = (root_pos[:, None] + nodes["depth"]).view(-1)
         hidden, captured = self.target(nodes["tokens"].reshape(-1), positions, meta, self.kv_cache,
                                        self.drafter.capture_layers)

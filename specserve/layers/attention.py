@@ -54,6 +54,9 @@ class AttentionMetadata:
     # tail_lens[b] slots of tail_slots[b] (its ancestors' and its own, which the page table cannot reach).
     tail_slots: torch.Tensor | None = None  # [B, T] int64
     tail_lens: torch.Tensor | None = None  # [B] int32
+    # Rows come in runs of this many that share one page table and context length (a sequence's tree nodes):
+    # the kernel reads that context once per run.
+    rows_per_seq: int = 1
 
     @classmethod
     def build(
@@ -190,7 +193,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         from specserve.layers.triton_attention import paged_decode_attention
 
         out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.page_size,
-                                     meta.num_splits, meta.tail_slots, meta.tail_lens)
+                                     meta.num_splits, meta.tail_slots, meta.tail_lens, meta.rows_per_seq)
         return out.view(q.shape[0], -1)
     if len(meta.groups) == 1 and meta.groups[0].tokens is None:
         return _attend(q, k, v, kv_cache, meta.groups[0], scale)

@@ -20,23 +20,24 @@ BLOCK_N = 32  # context tokens per inner iteration
 
 
 @triton.jit
-def _attend_block(q, K, V, slot, valid, kv_head, stride_ks, stride_kh, m, l, acc, scale,
+def _attend_block(q, K, V, slot, load_ok, see, kv_head, stride_ks, stride_kh, m, l, acc, scale,
                   D: tl.constexpr, IEEE: tl.constexpr, MAYBE_EMPTY: tl.constexpr):
-    """One block of context slots folded into the running max m, sum l and output acc (online softmax)."""
+    """One block of slots folded into the running max m, sum l and output acc (online softmax). `load_ok`
+    [N] says which slots exist, `see` [M, N] (or [1, N]) which query rows may attend to them."""
     d = tl.arange(0, D)
     kv_offs = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-    k = tl.load(K + kv_offs, mask=valid[:, None], other=0.0)
-    v = tl.load(V + kv_offs, mask=valid[:, None], other=0.0)
+    k = tl.load(K + kv_offs, mask=load_ok[:, None], other=0.0)
+    v = tl.load(V + kv_offs, mask=load_ok[:, None], other=0.0)
     if IEEE:
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         scores = tl.dot(q, tl.trans(k))
-    scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+    scores = tl.where(see, scores * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    if MAYBE_EMPTY:  # nothing valid so far (an empty tail, say) must leave the state as it was, not NaN
+    if MAYBE_EMPTY:  # nothing visible so far (an empty tail, say) must leave the state as it was, not NaN
         alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-        p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
-    else:  # context blocks always hold a valid slot
+        p = tl.where(see, tl.exp(scores - m_new[:, None]), 0.0)
+    else:  # context blocks always hold a valid slot for every row
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
@@ -51,50 +52,58 @@ def _attend_block(q, K, V, slot, valid, kv_head, stride_ks, stride_kh, m, l, acc
 def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_tail, stride_ob, stride_oh,
                     stride_os, stride_lb, stride_lh, CHUNK,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-                    TAIL_PAD: tl.constexpr):
+                    GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
+                    D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                    DIRECT: tl.constexpr, PDL: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """One program: one sequence's ROWS query rows (tree nodes share their context; 1 for plain decode) x
+    the GROUP query heads of one KV head, over one slice of the context, so K/V are read once for all."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    b = tl.program_id(0)
+    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(LENS + b)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
+    seq_len = tl.load(LENS + seq * ROWS)  # the rows of one sequence share its context length
+    i = tl.arange(0, M)
+    row = i // GROUP_POW2
+    g = i % GROUP_POW2
+    ok = (row < ROWS) & (g < GROUP)
+    rows = seq * ROWS + row
     heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    d = tl.arange(0, D)
+    q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=ok[:, None],
+                other=0.0)
+    m = tl.full([M], float("-inf"), tl.float32)
+    l = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, seq_len)
     for off in range(start, end, BLOCK):
         t = off + tl.arange(0, BLOCK)
         valid = t < end
-        page = tl.load(TABLES + b * stride_tb + t // PAGE, mask=valid, other=0)
+        page = tl.load(TABLES + seq * ROWS * stride_tb + t // PAGE, mask=valid, other=0)
         slot = (page * PAGE + t % PAGE).to(tl.int64)
-        m, l, acc = _attend_block(q, K, V, slot, valid, kv_head, stride_ks, stride_kh, m, l, acc, scale, D, IEEE,
-                                  False)
+        m, l, acc = _attend_block(q, K, V, slot, valid, valid[None, :], kv_head, stride_ks, stride_kh, m, l, acc,
+                                  scale, D, IEEE, False)
     if TAIL_PAD > 0:
-        # Draft-tree rows: after the shared context, the slots of the row's ancestors and its own, listed
+        # Draft-tree rows: after the shared context, the slots of each row's ancestors and its own, listed
         # per row (scattered, so not reachable through the page table). The first slice takes them.
         t = tl.arange(0, TAIL_PAD)
-        valid = (t < tl.load(TAIL_LENS + b)) & (split == 0)
-        slot = tl.load(TAIL + b * stride_tail + t, mask=valid, other=0).to(tl.int64)
-        m, l, acc = _attend_block(q, K, V, slot, valid, kv_head, stride_ks, stride_kh, m, l, acc, scale, D, IEEE,
-                                  True)
+        for r in tl.static_range(ROWS):
+            valid = (t < tl.load(TAIL_LENS + seq * ROWS + r)) & (split == 0)
+            slot = tl.load(TAIL + (seq * ROWS + r) * stride_tail + t, mask=valid, other=0).to(tl.int64)
+            see = (row == r)[:, None] & valid[None, :]
+            m, l, acc = _attend_block(q, K, V, slot, valid, see, kv_head, stride_ks, stride_kh, m, l, acc, scale,
+                                      D, IEEE, True)
     has = l > 0
     out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-    out_offs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    out_offs = OUT + rows[:, None] * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     if DIRECT:  # one slice: the final output, nothing to merge
-        tl.store(out_offs, out.to(OUT.dtype.element_ty), mask=head_ok[:, None])
+        tl.store(out_offs, out.to(OUT.dtype.element_ty), mask=ok[:, None])
     else:
         lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-        tl.store(out_offs, out, mask=head_ok[:, None])
-        tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+        tl.store(out_offs, out, mask=ok[:, None])
+        tl.store(LSE + rows * stride_lb + heads * stride_lh + split, lse, mask=ok)
 
 
 @triton.jit
@@ -131,11 +140,14 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, page_size: int, splits: int,
                            tail_slots: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None,
-                           block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                           rows_per_seq: int = 1, block: int = BLOCK_N, num_warps: int = 4,
+                           num_stages: int = 3) -> torch.Tensor:
     """q [B, H, D]; kv_cache [2, slots, Hkv, D]; block_tables [B, pages] int32; seq_lens [B] int32 -> [B, H, D].
     Row b attends to positions [0, seq_lens[b]) through its page table, then (draft trees) to the first
-    tail_lens[b] slots of tail_slots [B, T] (int64). `block` (context tokens per inner iteration),
-    `num_warps` and `num_stages` are tuning knobs."""
+    tail_lens[b] slots of tail_slots [B, T] (int64). With `rows_per_seq` = R, rows come in runs of R that
+    share one sequence's page table and context length (a tree's nodes), and one program serves a run, so the
+    context is read once for all R. `block` (context tokens per inner iteration), `num_warps` and
+    `num_stages` are tuning knobs."""
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[2]
     group = heads // kv_heads
@@ -147,16 +159,20 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                                                                          dtype=torch.float32, device=q.device)
     lse = part if direct else torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     keys, values = kv_cache[0], kv_cache[1]
+    assert batch % rows_per_seq == 0
     tail_pad = 0 if tail_slots is None else max(16, triton.next_power_of_2(tail_slots.shape[1]))
-    if tail_slots is None:  # unused pointers
+    if tail_slots is not None:  # the kernel steps through a row's tail with unit stride
+        assert tail_slots.stride(1) == 1 and tail_lens.dtype == torch.int32
+    else:  # unused pointers
         tail_slots, tail_lens = seq_lens, seq_lens
-    _partial_kernel[(batch, kv_heads, splits)](
+    group_pow2 = triton.next_power_of_2(group)
+    _partial_kernel[(batch // rows_per_seq, kv_heads, splits)](
         q, keys, values, block_tables, seq_lens, tail_slots, tail_lens, part, lse, scale,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0), tail_slots.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        chunk, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page_size,
-        BLOCK=block, IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, num_stages=num_stages,
-        TAIL_PAD=tail_pad, **triton_pdl.launch_options(q),
+        chunk, GROUP=group, GROUP_POW2=group_pow2, M=max(16, triton.next_power_of_2(rows_per_seq * group_pow2)),
+        ROWS=rows_per_seq, D=dim, PAGE=page_size, BLOCK=block, IEEE=q.dtype == torch.float32, DIRECT=direct,
+        num_warps=num_warps, num_stages=num_stages, TAIL_PAD=tail_pad, **triton_pdl.launch_options(q),
     )
     if direct:
         return out
