@@ -142,3 +142,15 @@ def write_peaked_random_head(target_dir, out_dir, scale: float = 15.0, seed: int
                 param.mul_(scale)
     save_eagle3_head(head, out_dir)
     return out_dir
+
+
+def count_accepted(engine) -> list[int]:
+    """Wraps engine.step to collect every speculative step's accepted-draft counts (the returned list)."""
+    accepted, step = [], engine.step
+
+    def counted():
+        deltas = step()
+        accepted.extend(d.step_accepted for d in deltas if d.step_accepted is not None)
+        return deltas
+    engine.step = counted
+    return accepted

@@ -13,7 +13,7 @@ from specserve.engine.factory import build_engine_core
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
-from conftest import write_peaked_random_head
+from conftest import count_accepted, write_peaked_random_head
 from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
 
 
@@ -85,13 +85,7 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
         engine, _ = _random_head_engine(tmp_path, tiny_checkpoint, simulate_accept_len=2.5)
         if not chain:
             engine.runner.spec_graphs = None
-        accepted, steps = [], engine.step
-
-        def counted():
-            deltas = steps()
-            accepted.extend(d.step_accepted for d in deltas if d.step_accepted is not None)
-            return deltas
-        engine.step = counted
+        accepted = count_accepted(engine)
         outputs, _ = run_staggered(engine, prompts)
         assert (engine.runner.spec_graphs is None) != chain
         if chain:

@@ -14,7 +14,7 @@ from specserve.engine.factory import build_engine_core
 from specserve.engine.tree_graphs import TreeGraphs
 from specserve.layers.attention import AttentionMetadata, attend_rows
 
-from conftest import write_peaked_random_head
+from conftest import count_accepted, write_peaked_random_head
 from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
 
 TREE = dict(num_steps=4, eagle_topk=3, num_draft_tokens=9)
@@ -30,18 +30,6 @@ def _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, **spec):
     return engine, path
 
 
-def _counting(engine):
-    """Wraps engine.step to collect every speculative step's accepted-draft counts."""
-    accepted, step = [], engine.step
-
-    def counted():
-        deltas = step()
-        accepted.extend(d.step_accepted for d in deltas if d.step_accepted is not None)
-        return deltas
-    engine.step = counted
-    return accepted
-
-
 def test_tree_program_is_lossless_and_accepts_what_the_search_accepts(tmp_path, tiny_checkpoint, monkeypatch):
     """Staggered arrivals with preemption: the program's output is HF's, and every step accepts as many
     drafts as the general search's tree does (so both built the same trees, up to what verification sees)."""
@@ -51,7 +39,7 @@ def test_tree_program_is_lossless_and_accepts_what_the_search_accepts(tmp_path, 
         engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
         if not program:
             engine.runner.spec_graphs = None
-        accepted = _counting(engine)
+        accepted = count_accepted(engine)
         outputs, _ = run_staggered(engine, prompts)
         if program:
             assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
@@ -109,7 +97,7 @@ def test_tree_program_simulates_acceptance_like_the_search(tmp_path, tiny_checkp
         engine, _ = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, simulate_accept_len=2.5)
         if not program:
             engine.runner.spec_graphs = None
-        accepted = _counting(engine)
+        accepted = count_accepted(engine)
         outputs, _ = run_staggered(engine, prompts)
         runs.append((outputs, accepted))
     assert runs[0] == runs[1]
