@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--stop-after-minutes", type=float, default=None,
                        help="checkpoint and exit after this long; the same command resumes")
     train.add_argument("--gen-batch", type=int, default=256, help="prompts generated at a time (one data shard each)")
+    train.add_argument("--dp-size", type=int, default=1,
+                       help="engines generating the data side by side on the device, each with 1/N of the "
+                            "running requests and KV pool (a small target is bound by one engine's CPU work)")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--max-len", type=int, default=1024)
     train.add_argument("--lr", type=float, default=1e-4)

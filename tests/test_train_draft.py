@@ -147,7 +147,7 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
     cmd = [sys.executable, "-m", "specserve.cli", "train-draft", "--target", str(tiny_chat_model), "--device", "cpu",
            "--max-total-tokens", "4096", "--data", str(prompts), "--num-prompts", "12", "--max-tokens", "24",
            "--steps", "60", "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "5", "--draft-vocab-size", "512",
-           "--ttt-steps", "3", "--checkpoint-every", "30", "--out", str(out)]
+           "--ttt-steps", "3", "--checkpoint-every", "30", "--dp-size", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())
@@ -292,6 +292,30 @@ def test_recorded_samples_survive_preemption_and_chunking(tiny_checkpoint, tmp_p
     for s in roomy:
         assert s.taps.shape == (len(s.input_ids), 2 * 64) and not s.taps[-1].any() and not s.hidden[-1].any()
         assert s.taps[:-1].abs().sum(-1).min() > 0  # no position left unrecorded
+
+
+def test_data_parallel_generation_records_what_one_engine_records(tiny_checkpoint, tmp_path):
+    """Two generation workers (separate processes, each with half the requests and pool) write samples equal
+    to one engine's, every prompt exactly once."""
+    from test_greedy_vs_hf import _prompts, _tight_config
+
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.datagen import read_shards
+    from specserve.train.run import _generate_in_workers
+
+    path = tiny_checkpoint("llama")
+    prompts = _prompts(512, seed=5)
+    layers = (0, 1)
+    config = _tight_config(str(path), 4096)
+    one, _ = _recorded_samples(config, layers, prompts, tmp_path / "one")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    shards = _generate_in_workers(config, 2, prompts, layers, params, tmp_path / "two", shard_size=4)
+    assert {s.name[:8] for s in shards} == {"shard-00", "shard-01"}
+    two = read_shards(shards)
+    index = {tuple(p): i for i, p in enumerate(prompts)}  # a sample is its prompt and 24 answer tokens
+    two = sorted(two, key=lambda s: index[tuple(s.input_ids[:-24].tolist())])
+    assert len(two) == len(prompts)
+    _assert_same_samples(one, two, 2e-2)  # the tokens exactly; rows stored in bf16 (batches differ: last bits)
 
 
 def test_assembling_recorded_chunks():

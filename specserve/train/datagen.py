@@ -87,8 +87,9 @@ def _assemble(chunks: list[tuple[int, torch.Tensor]], n: int) -> torch.Tensor:
 
 
 def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], params: SamplingParams,
-             out_dir: Path, shard_size: int = 256, progress: bool = True) -> list[Path]:
-    """Runs every prompt through the engine (up to `shard_size` at a time) and writes one shard per batch."""
+             out_dir: Path, shard_size: int = 256, progress: bool = True, prefix: str = "shard") -> list[Path]:
+    """Runs every prompt through the engine (up to `shard_size` at a time) and writes one shard per batch,
+    named `{prefix}-NNNNN.safetensors`."""
     runner = llm.engine.runner
     if runner.proposer is not None:
         raise ValueError("generate training data with speculation off")
@@ -108,7 +109,7 @@ def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], par
             samples = [recorder.take(t.output.request_id, t.output.prompt_token_ids + t.output.token_ids,
                                      len(t.output.prompt_token_ids)) for t in trackers]
             recorder.clear()
-            shards.append(write_shard(samples, out_dir / f"shard-{len(shards):05d}.safetensors"))
+            shards.append(write_shard(samples, out_dir / f"{prefix}-{len(shards):05d}.safetensors"))
             bar.update(len(trackers))
     finally:
         runner.recorder = None

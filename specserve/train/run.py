@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from specserve.bench.datasets import load_prompts, mt_bench_questions, read_jsonl_prompts
 from specserve.config import EngineConfig, SpecConfig
@@ -32,7 +33,12 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     taps = default_target_layers(resolve_model(engine_config).model_cfg.num_layers)
     gen_config = replace(engine_config, spec=SpecConfig(), context_length=args.max_len,
                          cuda_graph_max_bs=engine_config.scheduler.max_running_requests)
-    llm = LLM(config=gen_config, progress=True, record_layers=taps)
+    workers = args.dp_size
+    if workers > 1:  # this process keeps only what training needs (the model and its tokenizer): a small pool
+        llm = LLM(config=replace(gen_config, disable_cuda_graph=True, cache=replace(gen_config.cache,
+                                                                                   max_total_tokens=4096)))
+    else:
+        llm = LLM(config=gen_config, progress=True, record_layers=taps)
     model = llm.engine.runner.model
     data_dir = out / "data"
     shards = sorted(data_dir.glob("shard-*.safetensors"))
@@ -46,7 +52,10 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
         if not prompts:
             raise ValueError(f"every prompt is longer than --max-len {args.max_len} minus --max-tokens")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        shards = generate(llm, prompts, taps, params, data_dir, shard_size=args.gen_batch)
+        if workers > 1:
+            shards = _generate_in_workers(gen_config, workers, prompts, taps, params, data_dir, args.gen_batch)
+        else:
+            shards = generate(llm, prompts, taps, params, data_dir, shard_size=args.gen_batch)
         (data_dir / "complete").write_text(f"{len(shards)} shards\n")
     samples = read_shards(shards)
     generated_at = time.time()
@@ -84,6 +93,40 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     print(f"saved the head to {out}; {len(samples)} samples, final loss {report['final_loss']}")
     return report
+
+
+def _generate_in_workers(gen_config: EngineConfig, workers: int, prompts: list[list[int]], taps: tuple[int, ...],
+                         params: SamplingParams, data_dir: Path, shard_size: int) -> list[Path]:
+    """Data-parallel generation: `workers` engines on the same device, each with its share of the running
+    requests and KV pool and every workers-th prompt. A small target leaves a GPU mostly idle under one engine,
+    whose per-request Python work bounds the step rate; several engines overlap that work."""
+    cache, sched = gen_config.cache, gen_config.scheduler
+    share = replace(gen_config, cuda_graph_max_bs=max(1, sched.max_running_requests // workers),
+                    cache=replace(cache, max_total_tokens=cache.max_total_tokens and cache.max_total_tokens // workers,
+                                  mem_fraction_static=cache.mem_fraction_static / workers),
+                    scheduler=replace(sched, max_running_requests=max(1, sched.max_running_requests // workers)))
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_generation_worker, daemon=True,
+                             args=(rank, share, prompts[rank::workers], taps, params, data_dir, shard_size))
+             for rank in range(workers)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"generation workers {failed} failed (exit codes "
+                           f"{[procs[r].exitcode for r in failed]}); their errors are printed above")
+    return sorted(data_dir.glob("shard-*.safetensors"))
+
+
+def _generation_worker(rank: int, config: EngineConfig, prompts: list[list[int]], taps: tuple[int, ...],
+                       params: SamplingParams, data_dir: Path, shard_size: int) -> None:
+    from specserve.llm import LLM
+
+    llm = LLM(config=config, progress=rank == 0, record_layers=taps)
+    generate(llm, prompts, taps, params, data_dir, shard_size=shard_size, progress=rank == 0,
+             prefix=f"shard-{rank:02d}")
 
 
 def _conversations(data: str, num: int | None) -> list[list[str]]:
