@@ -66,7 +66,8 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
                       seed=args.seed, checkpoint_every=args.checkpoint_every, minutes=args.train_minutes)
-    llm = _release(llm)  # and its KV pool: the trainer needs only the model's embedding and lm_head
+    del llm  # and its KV pool: the trainer needs only the model's embedding and lm_head
+    _free_device_memory()
     trainer = Trainer(head, model, samples, cfg, out)
     resumed = trainer.resume()
     stop_at = started + args.stop_after_minutes * 60 if args.stop_after_minutes else None
@@ -126,9 +127,8 @@ def _generation_worker(rank: int, config: EngineConfig, prompts: list[list[int]]
              prefix=f"shard-{rank:02d}")
 
 
-def _release(llm) -> None:
-    """Drops an engine and hands its device memory back, so that a later engine's free-memory sizing sees it."""
-    del llm
+def _free_device_memory() -> None:
+    """Hands the memory of dropped engines back to the device, so that the next engine's sizing sees it free."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -153,11 +153,12 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
                 (f"tree topk {args.tree[0]} steps {args.tree[1]} tokens {args.tree[2]}",
                  SpecConfig("EAGLE3", args.draft, args.tree[1], args.tree[0], args.tree[2]))]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    rows, llm = [], None
+    rows = []
     for label, spec in settings:
         # The previous setting's engine goes first: its KV pool would otherwise count as used memory when the
         # next one sizes its own, leaving it too little for its pool and graphs.
-        llm = _release(llm)
+        llm = None
+        _free_device_memory()
         llm = LLM(config=replace(engine_config, spec=spec))
         tokens, seconds, steps, accepted = 0, 0.0, 0, 0
         digest = hashlib.sha256()  # of every answer's token ids, so settings can be compared exactly
