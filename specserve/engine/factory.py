@@ -24,8 +24,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CPU_KV_BYTES_CAP = 2 * 2**30
 RANDOM_HEAD_LOGIT_STD = 10.0
 # Tree steps as one program on a CPU too (tests check the program there; serving keeps the general search,
-# which measured 1.7x the program's speed on 2 cores: a read-back costs nothing there, and the search
-# computes only the nodes it keeps).
+# which measured 1.7x the program's speed on 2 cores, where a read-back costs nothing).
 TREE_PROGRAM_ON_CPU = False
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
