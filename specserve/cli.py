@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dp-size", type=int, default=1,
                        help="engines generating the data side by side on the device, each with 1/N of the "
                             "running requests and KV pool (a small target is bound by one engine's CPU work)")
+    train.add_argument("--eval-samples", type=int, default=256,
+                       help="samples kept out of training (at most a tenth); their agreement is measured at "
+                            "every checkpoint, since the training batches' own agreement includes memorizing")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--max-len", type=int, default=1024)
     train.add_argument("--lr", type=float, default=1e-4)

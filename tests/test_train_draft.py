@@ -120,22 +120,43 @@ class _Target(torch.nn.Module):
         self.norm.weight = torch.nn.Parameter(torch.ones(H))
 
 
+def test_held_out_samples_are_a_fixed_disjoint_tenth_at_most():
+    from specserve.train.trainer import hold_out
+
+    samples = _fake_samples(50, 0)
+    train, held = hold_out(samples, 8, seed=3)
+    assert len(held) == 5 and len(train) == 45  # capped at a tenth
+    ids = {id(s) for s in train}
+    assert not any(id(s) in ids for s in held) and {id(s) for s in samples} == ids | {id(s) for s in held}
+    again, held_again = hold_out(samples, 8, seed=3)
+    assert [id(s) for s in held_again] == [id(s) for s in held]
+    assert [id(s) for s in hold_out(samples, 8, seed=4)[1]] != [id(s) for s in held]
+    none_held = hold_out(samples, 0, seed=3)
+    assert [id(s) for s in none_held[0]] == [id(s) for s in samples] and none_held[1] == []
+
+
 def test_resuming_continues_the_same_schedule(tmp_path):
     from specserve.train.trainer import TrainConfig, Trainer, new_head
 
     torch.manual_seed(0)
     target, samples = _Target().requires_grad_(False), _fake_samples(10, 0)
+    held = _fake_samples(4, 1)
     cfg = TrainConfig(steps=6, batch_size=3, lr=1e-3, warmup_steps=2, ttt_steps=3, checkpoint_every=3)
-    straight = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path / "a")
+    straight = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path / "a", held)
     straight.train(progress=False)
     first = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, replace(cfg, steps=3),
-                    tmp_path / "b")
+                    tmp_path / "b", held)
     first.train(progress=False)
-    second = Trainer(new_head(target, torch.arange(40), 256, 1), target, samples, cfg, tmp_path / "b")
+    second = Trainer(new_head(target, torch.arange(40), 256, 1), target, samples, cfg, tmp_path / "b", held)
     assert second.resume() and second.step == 3
     second.train(progress=False)
     assert [h["lr"] for h in second.history] == [h["lr"] for h in straight.history]
     assert [h["loss"] for h in second.history] == pytest.approx([h["loss"] for h in straight.history], rel=1e-5)
+    # Held-out agreement at each checkpoint, kept across the resume.
+    assert [e["step"] for e in second.evals] == [e["step"] for e in straight.evals] == [3, 6]
+    for ours, theirs in zip(second.evals, straight.evals):
+        assert len(ours["accuracy"]) == 3 and ours["accuracy"] == pytest.approx(theirs["accuracy"], abs=1e-6)
+        assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-4)
     for (name, a), b in zip(straight.head.state_dict().items(), second.head.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -152,6 +173,9 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())
     losses = [h["loss"] for h in report["history"]]
+    assert report["num_held_out"] == 1 and report["num_samples"] == 11
+    assert [e["step"] for e in report["held_out_evals"]] == [30, 60]
+    assert all(len(e["accuracy"]) == 3 and 0.0 <= min(e["accuracy"]) for e in report["held_out_evals"])
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10, losses
     assert (out / "checkpoint.pt").exists() and (out / "model.safetensors").exists()
     assert (out / "data" / "complete").exists()  # a rerun trains on this data instead of regenerating it

@@ -19,7 +19,7 @@ from specserve.models.eagle3 import default_target_layers
 from specserve.models.loader import save_eagle3_head
 from specserve.sampling_params import SamplingParams
 from specserve.train.datagen import draft_vocabulary, generate, read_shards
-from specserve.train.trainer import TrainConfig, Trainer, new_head
+from specserve.train.trainer import TrainConfig, Trainer, hold_out, new_head
 
 
 def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
@@ -57,7 +57,7 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
         else:
             shards = generate(llm, prompts, taps, params, data_dir, shard_size=args.gen_batch)
         (data_dir / "complete").write_text(f"{len(shards)} shards\n")
-    samples = read_shards(shards)
+    samples, held_out = hold_out(read_shards(shards), args.eval_samples, args.seed)
     generated_at = time.time()
     vocab = model.config.vocab_size
     draft_ids = draft_vocabulary(samples, min(args.draft_vocab_size, vocab), vocab)
@@ -68,7 +68,7 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
                       seed=args.seed, checkpoint_every=args.checkpoint_every, minutes=args.train_minutes)
     del llm  # and its KV pool: the trainer needs only the model's embedding and lm_head
     _free_device_memory()
-    trainer = Trainer(head, model, samples, cfg, out)
+    trainer = Trainer(head, model, samples, cfg, out, held_out)
     resumed = trainer.resume()
     stop_at = started + args.stop_after_minutes * 60 if args.stop_after_minutes else None
     if not trainer.train(stop_at=stop_at):
@@ -87,6 +87,7 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
         "steps": trainer.cfg.steps,
         "final_loss": history[-1]["loss"] if history else None,
         "final_accuracy": history[-1]["accuracy"] if history else None, "history": history[-50:],
+        "num_held_out": len(held_out), "held_out_evals": trainer.evals,
     }
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     print(f"saved the head to {out}; {len(samples)} samples, final loss {report['final_loss']}")

@@ -79,9 +79,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def hold_out(samples: list[Sample], count: int, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, held-out): `count` samples drawn by `seed` are kept out of training, at most a tenth of them,
+    so the agreement measured on them is that on unseen text; the same data and seed give the same split."""
+    count = min(count, len(samples) // 10)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(order[:count])
+    return ([s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)])
+
+
 class Trainer:
     def __init__(self, head: Eagle3Head, target: torch.nn.Module, samples: list[Sample], cfg: TrainConfig,
-                 out_dir: Path) -> None:
+                 out_dir: Path, held_out: list[Sample] = ()) -> None:
         self.head, self.cfg, self.out_dir = head, cfg, out_dir
         self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
@@ -90,19 +99,21 @@ class Trainer:
         head.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         if self.device.type == "cuda":
-            samples = _samples_on_gpu(samples, self.device)
-        self.samples = samples
+            samples, held_out = _samples_on_gpu([*samples, *held_out], self.device, len(samples))
+        self.samples, self.held_out = samples, list(held_out)
         self.step = 0
-        self.train_seconds = 0.0  # summed over resumed runs
+        self.train_seconds = 0.0  # summed over resumed runs, evaluation excluded
         self.clock = time.perf_counter  # replaceable, so a test can fix the measured speed
         self.history: list[dict] = []
+        self.evals: list[dict] = []  # agreement on the held-out samples, at each checkpoint
 
     # -- checkpoints ---------------------------------------------------------
     def save_checkpoint(self) -> Path:
         path = self.out_dir / CHECKPOINT
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                    "config": asdict(self.cfg), "history": self.history, "train_seconds": self.train_seconds},
+                    "config": asdict(self.cfg), "history": self.history, "train_seconds": self.train_seconds,
+                    "evals": self.evals},
                    path)
         return path
 
@@ -116,6 +127,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
         self.train_seconds = state.get("train_seconds", 0.0)
+        self.evals = state.get("evals", [])
         if self.cfg.minutes is not None and self.step >= self.cfg.warmup_steps:  # the length already settled on
             self.cfg = replace(self.cfg, steps=state["config"]["steps"])
         return True
@@ -125,7 +137,9 @@ class Trainer:
         """The samples of `step` depend on the step alone, so a resumed run sees what it would have seen."""
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         picks = torch.randint(len(self.samples), (self.cfg.batch_size,), generator=g).tolist()
-        chosen = [self.samples[i] for i in picks]
+        return self._collate([self.samples[i] for i in picks])
+
+    def _collate(self, chosen: list[Sample]) -> TTTBatch:
         length = min(self.cfg.max_len, max(len(s.input_ids) for s in chosen))
 
         def pad(t: torch.Tensor, value=0) -> torch.Tensor:
@@ -159,6 +173,10 @@ class Trainer:
                 bar.total = self.cfg.steps
             stopping = stop_at is not None and time.time() > stop_at and self.step < self.cfg.steps
             if stopping or self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                if self.held_out and not stopping:
+                    held = self.evaluate()
+                    bar.write(f"step {self.step}: held-out agreement per step "
+                              + "/".join(f"{a:.2f}" for a in held["accuracy"]))
                 self.save_checkpoint()
             if stopping:
                 bar.close()
@@ -182,6 +200,24 @@ class Trainer:
         self.history.append(record)
         return record
 
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Per-step agreement and KL on the held-out samples, weighted by their answer tokens."""
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _nothing()
+        steps = self.cfg.ttt_steps
+        sums, kls, weights = [0.0] * steps, [0.0] * steps, [0.0] * steps
+        for first in range(0, len(self.held_out), self.cfg.batch_size):
+            batch = self._collate(self.held_out[first:first + self.cfg.batch_size])
+            with autocast:
+                result = unrolled_loss(self.head, self.embed, batch, steps)
+            weight = float(batch.loss_mask.sum())
+            for k, (acc, kl) in enumerate(zip(result.accuracy, result.kl)):  # short batches unroll fewer steps
+                sums[k], kls[k], weights[k] = sums[k] + acc * weight, kls[k] + kl * weight, weights[k] + weight
+        record = {"step": self.step, "accuracy": [a / max(w, 1.0) for a, w in zip(sums, weights)],
+                  "kl": [k / max(w, 1.0) for k, w in zip(kls, weights)]}
+        self.evals.append(record)
+        return record
+
     def _fix_schedule_length(self, warm_clock: tuple[float, int] | None) -> None:
         seconds, step = warm_clock if warm_clock and warm_clock[1] < self.step else (0.0, 0)
         per_step = (self.train_seconds - seconds) / max(1, self.step - step)
@@ -189,13 +225,14 @@ class Trainer:
         self.cfg = replace(self.cfg, steps=self.step + max(1, round(left / per_step)))
 
 
-def _samples_on_gpu(samples: list[Sample], device: torch.device) -> list[Sample]:
-    """Batches are cut from device memory when the samples fit with room to spare, else from host memory."""
+def _samples_on_gpu(samples: list[Sample], device: torch.device, split: int) -> tuple[list[Sample], list[Sample]]:
+    """Batches are cut from device memory when the samples fit with room to spare, else from host memory.
+    Returns the samples before and after `split`."""
     total = sum(t.numel() * t.element_size() for s in samples
                 for t in (s.input_ids, s.taps, s.hidden, s.loss_mask))
-    if torch.cuda.mem_get_info(device)[0] < 2 * total:
-        return samples
-    return [Sample(*(t.to(device) for t in (s.input_ids, s.taps, s.hidden, s.loss_mask))) for s in samples]
+    if torch.cuda.mem_get_info(device)[0] >= 2 * total:
+        samples = [Sample(*(t.to(device) for t in (s.input_ids, s.taps, s.hidden, s.loss_mask))) for s in samples]
+    return samples[:split], samples[split:]
 
 
 class _nothing:
