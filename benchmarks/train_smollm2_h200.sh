@@ -19,11 +19,12 @@ job() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
   # Four engines generate side by side (one is bound by its own CPU work at this model size). 34k prompts of
   # at most 384 tokens with answers of up to 256 make ~40 GB of taps, which fit the disk and the GPU.
+  # --eval-samples 0: the shipped head was trained on every sample, before held-out evaluation existed.
   python3 -m specserve.cli train-draft --target "$model" --device cuda --dtype bfloat16 \
     --data $T/sharegpt_turns.jsonl --num-prompts 34000 --max-tokens 256 --max-len 640 --dp-size 4 \
     --max-total-tokens 1000000 --max-running-requests 1024 --chunked-prefill-size 16384 --gen-batch 256 \
     --draft-vocab-size 14336 --batch-size 16 --lr 3e-4 --warmup-steps 100 --train-minutes 12 \
-    --checkpoint-every 500 --out $T/head || return 1
+    --checkpoint-every 500 --eval-samples 0 --out $T/head || return 1
   touch $T/head_done
   python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype float32 --draft $T/head \
     --data mt-bench --concurrency 80 --max-tokens 256 --out $T/eval_mtbench_h200.json

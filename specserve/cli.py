@@ -114,6 +114,15 @@ def _numbers(kind):
     return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
     from specserve.bench.sweep import DEFAULT_CONCURRENCY
 
@@ -176,11 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="set --steps from the speed measured in warm-up so training takes this long")
     train.add_argument("--stop-after-minutes", type=float, default=None,
                        help="checkpoint and exit after this long; the same command resumes")
-    train.add_argument("--gen-batch", type=int, default=256, help="prompts generated at a time (one data shard each)")
-    train.add_argument("--dp-size", type=int, default=1,
+    train.add_argument("--gen-batch", type=_at_least(1), default=256,
+                       help="prompts each engine generates at a time (one data shard each)")
+    train.add_argument("--dp-size", type=_at_least(1), default=1,
                        help="engines generating the data side by side on the device, each with 1/N of the "
                             "running requests and KV pool (a small target is bound by one engine's CPU work)")
-    train.add_argument("--eval-samples", type=int, default=256,
+    train.add_argument("--eval-samples", type=_at_least(0), default=256,
                        help="samples kept out of training (at most a tenth); their agreement is measured at "
                             "every checkpoint, since the training batches' own agreement includes memorizing")
     train.add_argument("--batch-size", type=int, default=8)

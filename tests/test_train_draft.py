@@ -159,23 +159,29 @@ def test_resuming_continues_the_same_schedule(tmp_path):
         assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-4)
     for (name, a), b in zip(straight.head.state_dict().items(), second.head.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # A checkpoint made with another split (or other data) is refused, not silently continued.
+    other = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path / "b", held[:2])
+    with pytest.raises(ValueError, match="eval-samples"):
+        other.resume()
 
 
-def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path):
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path, dp_size):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about the number {i}."}) for i in range(12)))
     out = tmp_path / "head"
     cmd = [sys.executable, "-m", "specserve.cli", "train-draft", "--target", str(tiny_chat_model), "--device", "cpu",
            "--max-total-tokens", "4096", "--data", str(prompts), "--num-prompts", "12", "--max-tokens", "24",
            "--steps", "60", "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "5", "--draft-vocab-size", "512",
-           "--ttt-steps", "3", "--checkpoint-every", "30", "--dp-size", "2", "--out", str(out)]
+           "--ttt-steps", "3", "--checkpoint-every", "30", "--dp-size", str(dp_size), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "train_report.json").read_text())
     losses = [h["loss"] for h in report["history"]]
     assert report["num_held_out"] == 1 and report["num_samples"] == 11
     assert [e["step"] for e in report["held_out_evals"]] == [30, 60]
-    assert all(len(e["accuracy"]) == 3 and 0.0 <= min(e["accuracy"]) for e in report["held_out_evals"])
+    for e in report["held_out_evals"]:
+        assert len(e["accuracy"]) == 3 and all(0.0 <= a <= 1.0 for a in e["accuracy"]) and min(e["kl"]) > 0
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10, losses
     assert (out / "checkpoint.pt").exists() and (out / "model.safetensors").exists()
     assert (out / "data" / "complete").exists()  # a rerun trains on this data instead of regenerating it
@@ -340,6 +346,35 @@ def test_data_parallel_generation_records_what_one_engine_records(tiny_checkpoin
     two = sorted(two, key=lambda s: index[tuple(s.input_ids[:-24].tolist())])
     assert len(two) == len(prompts)
     _assert_same_samples(one, two, 2e-2)  # the tokens exactly; rows stored in bf16 (batches differ: last bits)
+
+
+def test_worker_configs_split_requests_graphs_and_pool():
+    from test_greedy_vs_hf import _tight_config
+
+    from specserve.train.run import _worker_config
+
+    config = replace(_tight_config(None, 4096), cuda_graph_max_bs=6)
+    share = _worker_config(config, 3)
+    assert share.scheduler.max_running_requests == share.cuda_graph_max_bs == 2
+    assert share.cache.max_total_tokens == 1365
+    assert share.cache.mem_fraction_static == pytest.approx(config.cache.mem_fraction_static / 3)
+    uncapped = _worker_config(replace(config, cache=replace(config.cache, max_total_tokens=None)), 2)
+    assert uncapped.cache.max_total_tokens is None
+    with pytest.raises(ValueError, match="no running request"):
+        _worker_config(config, 7)
+
+
+def test_a_failing_generation_worker_fails_the_run(tmp_path):
+    """Workers that cannot build their engine end the generation with an error, and none is left running."""
+    from test_greedy_vs_hf import _tight_config
+
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.run import _generate_in_workers
+
+    config = _tight_config(str(tmp_path / "no-such-model"), 4096)
+    with pytest.raises(RuntimeError, match="generation worker"):
+        _generate_in_workers(config, 2, [[5, 6, 7]] * 4, (0, 1), SamplingParams(max_tokens=2), tmp_path / "d", 2)
+    assert not list((tmp_path / "d").glob("shard-*"))
 
 
 def test_assembling_recorded_chunks():

@@ -5,12 +5,14 @@ import argparse
 import gc
 import hashlib
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait
 
 from specserve.bench.datasets import load_prompts, mt_bench_questions, read_jsonl_prompts
 from specserve.config import EngineConfig, SpecConfig
@@ -28,21 +30,22 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     out = Path(args.out)
     started = time.time()
     # Speculation stays off while generating. On a GPU, decode steps replay CUDA graphs that also write the
-    # taps and hidden states the recorder keeps; every batch size up to the running limit gets a graph (the
-    # graphs' logits buffers grow with it: ~10 GB for SmolLM2 at 1024), and no sequence outgrows --max-len.
+    # taps and hidden states the recorder keeps; every batch size up to an engine's running limit gets a graph
+    # (the graphs' logits buffers grow with it: ~10 GB for SmolLM2 at 1024), and no sequence outgrows --max-len.
     taps = default_target_layers(resolve_model(engine_config).model_cfg.num_layers)
     gen_config = replace(engine_config, spec=SpecConfig(), context_length=args.max_len,
                          cuda_graph_max_bs=engine_config.scheduler.max_running_requests)
     workers = args.dp_size
-    if workers > 1:  # this process keeps only what training needs (the model and its tokenizer): a small pool
+    data_dir = out / "data"
+    generating = not (data_dir / "complete").exists()  # generated once, in full; a resumed run reuses it
+    if generating and workers == 1:
+        llm = LLM(config=gen_config, progress=True, record_layers=taps)
+    else:  # this process needs only the model and its tokenizer: no graphs, a small pool
         llm = LLM(config=replace(gen_config, disable_cuda_graph=True, cache=replace(gen_config.cache,
                                                                                    max_total_tokens=4096)))
-    else:
-        llm = LLM(config=gen_config, progress=True, record_layers=taps)
     model = llm.engine.runner.model
-    data_dir = out / "data"
     shards = sorted(data_dir.glob("shard-*.safetensors"))
-    if not (data_dir / "complete").exists():  # generated once, in full; a resumed run reuses it
+    if generating:
         for partial in shards:  # left by a run stopped while generating
             partial.unlink()
         prompts = [llm.chat_prompt(p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
@@ -69,6 +72,9 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     del llm  # and its KV pool: the trainer needs only the model's embedding and lm_head
     _free_device_memory()
     trainer = Trainer(head, model, samples, cfg, out, held_out)
+    num_samples, num_held_out = len(samples), len(held_out)
+    num_answer_tokens = int(sum(s.loss_mask.sum() for s in samples))
+    del samples, held_out  # the trainer holds them, on the device when they fit: no second copy in host memory
     resumed = trainer.resume()
     stop_at = started + args.stop_after_minutes * 60 if args.stop_after_minutes else None
     if not trainer.train(stop_at=stop_at):
@@ -80,49 +86,68 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     save_eagle3_head(shipped, out, max_shard_bytes=args.max_shard_mib * 2**20)
     report = {
         "command": "specserve train-draft", "target": engine_config.model_path or "SmolLM2-135M-Instruct",
-        "data": args.data, "num_samples": len(samples),
-        "num_answer_tokens": int(sum(s.loss_mask.sum() for s in samples)),
+        "data": args.data, "num_samples": num_samples, "num_answer_tokens": num_answer_tokens,
         "draft_vocab_size": len(draft_ids), "train_config": vars(args) | {"resumed": resumed},
         "generation_s": generated_at - started, "training_s": trainer.train_seconds,
         "steps": trainer.cfg.steps,
         "final_loss": history[-1]["loss"] if history else None,
         "final_accuracy": history[-1]["accuracy"] if history else None, "history": history[-50:],
-        "num_held_out": len(held_out), "held_out_evals": trainer.evals,
+        "num_held_out": num_held_out, "held_out_evals": trainer.evals,
     }
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
-    print(f"saved the head to {out}; {len(samples)} samples, final loss {report['final_loss']}")
+    print(f"saved the head to {out}; {num_samples} samples, final loss {report['final_loss']}")
     return report
 
 
 def _generate_in_workers(gen_config: EngineConfig, workers: int, prompts: list[list[int]], taps: tuple[int, ...],
                          params: SamplingParams, data_dir: Path, shard_size: int) -> list[Path]:
-    """Data-parallel generation: `workers` engines on the same device, each with its share of the running
-    requests and KV pool and every workers-th prompt. A small target leaves a GPU mostly idle under one engine,
-    whose per-request Python work bounds the step rate; several engines overlap that work."""
-    cache, sched = gen_config.cache, gen_config.scheduler
-    share = replace(gen_config, cuda_graph_max_bs=max(1, sched.max_running_requests // workers),
-                    cache=replace(cache, max_total_tokens=cache.max_total_tokens and cache.max_total_tokens // workers,
-                                  mem_fraction_static=cache.mem_fraction_static / workers),
-                    scheduler=replace(sched, max_running_requests=max(1, sched.max_running_requests // workers)))
+    """Data-parallel generation: `workers` engines on the same device (see `_worker_config`), each taking every
+    workers-th prompt. A small target leaves a GPU mostly idle under one engine, whose per-request Python
+    work bounds the step rate; several engines overlap that work. The first failure stops them all."""
+    share = _worker_config(gen_config, workers)
     context = mp.get_context("spawn")
     procs = [context.Process(target=_generation_worker, daemon=True,
-                             args=(rank, share, prompts[rank::workers], taps, params, data_dir, shard_size))
+                             args=(rank, workers, share, prompts[rank::workers], taps, params, data_dir, shard_size))
              for rank in range(workers)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
-    failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"generation workers {failed} failed (exit codes "
-                           f"{[procs[r].exitcode for r in failed]}); their errors are printed above")
+    try:
+        for proc in procs:
+            proc.start()
+        running = {proc.sentinel: proc for proc in procs}
+        while running:
+            for sentinel in wait(list(running)):
+                proc = running.pop(sentinel)
+                proc.join()  # the sentinel fires as the process exits, a moment before its exit code is known
+                if proc.exitcode != 0:
+                    failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (0, None)]
+                    raise RuntimeError(f"generation worker(s) {failed} failed; their errors are printed above")
+    finally:
+        for proc in procs:  # after a failure or an interrupt, no orphan keeps the device or writes shards
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
     return sorted(data_dir.glob("shard-*.safetensors"))
 
 
-def _generation_worker(rank: int, config: EngineConfig, prompts: list[list[int]], taps: tuple[int, ...],
-                       params: SamplingParams, data_dir: Path, shard_size: int) -> None:
+def _worker_config(config: EngineConfig, workers: int) -> EngineConfig:
+    """One generation worker's engine: 1/workers of the running requests, of the CUDA-graph batch sizes and
+    of the pool. With --max-total-tokens the pool is that cap split evenly; without it, each worker takes
+    mem_fraction_static / workers of the memory free when it starts, so later starters get somewhat less."""
+    cache, sched = config.cache, config.scheduler
+    running = sched.max_running_requests // workers
+    tokens = None if cache.max_total_tokens is None else cache.max_total_tokens // workers
+    if running < 1 or tokens == 0:
+        raise ValueError(f"--dp-size {workers} leaves a worker no running request or no KV token")
+    return replace(config, cuda_graph_max_bs=running,
+                   cache=replace(cache, max_total_tokens=tokens, mem_fraction_static=cache.mem_fraction_static / workers),
+                   scheduler=replace(sched, max_running_requests=running))
+
+
+def _generation_worker(rank: int, workers: int, config: EngineConfig, prompts: list[list[int]],
+                       taps: tuple[int, ...], params: SamplingParams, data_dir: Path, shard_size: int) -> None:
     from specserve.llm import LLM
 
+    if not torch.cuda.is_available() or config.device == "cpu":  # the engines share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     llm = LLM(config=config, progress=rank == 0, record_layers=taps)
     generate(llm, prompts, taps, params, data_dir, shard_size=shard_size, progress=rank == 0,
              prefix=f"shard-{rank:02d}")

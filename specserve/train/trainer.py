@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
@@ -82,7 +83,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def hold_out(samples: list[Sample], count: int, seed: int) -> tuple[list[Sample], list[Sample]]:
     """(train, held-out): `count` samples drawn by `seed` are kept out of training, at most a tenth of them,
     so the agreement measured on them is that on unseen text; the same data and seed give the same split."""
-    count = min(count, len(samples) // 10)
+    count = max(0, min(count, len(samples) // 10))
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     held = set(order[:count])
     return ([s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)])
@@ -90,7 +91,7 @@ def hold_out(samples: list[Sample], count: int, seed: int) -> tuple[list[Sample]
 
 class Trainer:
     def __init__(self, head: Eagle3Head, target: torch.nn.Module, samples: list[Sample], cfg: TrainConfig,
-                 out_dir: Path, held_out: list[Sample] = ()) -> None:
+                 out_dir: Path, held_out: Sequence[Sample] = ()) -> None:
         self.head, self.cfg, self.out_dir = head, cfg, out_dir
         self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
@@ -113,7 +114,7 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                     "config": asdict(self.cfg), "history": self.history, "train_seconds": self.train_seconds,
-                    "evals": self.evals},
+                    "evals": self.evals, "num_held_out": len(self.held_out)},
                    path)
         return path
 
@@ -123,6 +124,12 @@ class Trainer:
         if not path.exists():
             return False
         state = torch.load(path, map_location=self.device, weights_only=True)
+        # The split and the draft vocabulary follow from the data and --eval-samples; batches are picked by
+        # index, so a checkpoint made with others would go on training on different samples and logits.
+        if state.get("num_held_out", 0) != len(self.held_out) or not torch.equal(state["head"]["d2t"],
+                                                                                 self.head.d2t):
+            raise ValueError(f"{path} was made with other training data or another --eval-samples "
+                             f"({state.get('num_held_out', 0)} held out, now {len(self.held_out)})")
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
@@ -157,7 +164,7 @@ class Trainer:
     def train(self, progress: bool = True, stop_at: float | None = None) -> bool:
         """Trains to the end of the schedule, checkpointing on the way. With `stop_at` (a time.time() value),
         it checkpoints and returns False once that time passes; running again resumes."""
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _nothing()
+        autocast = self._autocast()
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="training draft head", disable=not progress)
         first_step, warm_clock = self.step, None
         while self.step < self.cfg.steps:
@@ -172,11 +179,13 @@ class Trainer:
                 self._fix_schedule_length(warm_clock)
                 bar.total = self.cfg.steps
             stopping = stop_at is not None and time.time() > stop_at and self.step < self.cfg.steps
-            if stopping or self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
-                if self.held_out and not stopping:
-                    held = self.evaluate()
+            checkpoint = self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps
+            if checkpoint and self.held_out:
+                held = self.evaluate()
+                if progress:
                     bar.write(f"step {self.step}: held-out agreement per step "
-                              + "/".join(f"{a:.2f}" for a in held["accuracy"]))
+                              + "/".join("-" if a is None else f"{a:.2f}" for a in held["accuracy"]))
+            if stopping or checkpoint:
                 self.save_checkpoint()
             if stopping:
                 bar.close()
@@ -202,21 +211,23 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Per-step agreement and KL on the held-out samples, weighted by their answer tokens."""
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _nothing()
+        """Per-step agreement and KL on the held-out samples, over all their positions that step reaches
+        (None for a step no sample is long enough for)."""
         steps = self.cfg.ttt_steps
-        sums, kls, weights = [0.0] * steps, [0.0] * steps, [0.0] * steps
+        accs, kls, counts = [0.0] * steps, [0.0] * steps, [0.0] * steps
         for first in range(0, len(self.held_out), self.cfg.batch_size):
             batch = self._collate(self.held_out[first:first + self.cfg.batch_size])
-            with autocast:
+            with self._autocast():
                 result = unrolled_loss(self.head, self.embed, batch, steps)
-            weight = float(batch.loss_mask.sum())
-            for k, (acc, kl) in enumerate(zip(result.accuracy, result.kl)):  # short batches unroll fewer steps
-                sums[k], kls[k], weights[k] = sums[k] + acc * weight, kls[k] + kl * weight, weights[k] + weight
-        record = {"step": self.step, "accuracy": [a / max(w, 1.0) for a, w in zip(sums, weights)],
-                  "kl": [k / max(w, 1.0) for k, w in zip(kls, weights)]}
+            for k, (acc, kl, count) in enumerate(zip(result.accuracy, result.kl, result.counts)):
+                accs[k], kls[k], counts[k] = accs[k] + acc * count, kls[k] + kl * count, counts[k] + count
+        record = {"step": self.step, "accuracy": [a / n if n else None for a, n in zip(accs, counts)],
+                  "kl": [k / n if n else None for k, n in zip(kls, counts)]}
         self.evals.append(record)
         return record
+
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else _nothing()
 
     def _fix_schedule_length(self, warm_clock: tuple[float, int] | None) -> None:
         seconds, step = warm_clock if warm_clock and warm_clock[1] < self.step else (0.0, 0)

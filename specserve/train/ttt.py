@@ -34,6 +34,7 @@ class TTTResult:
     loss: torch.Tensor  # scalar, the steps' masked mean KLs averaged with weights decay**k
     kl: list[float]  # per unroll step
     accuracy: list[float]  # per unroll step: head argmax == target argmax
+    counts: list[float]  # per unroll step: the positions its KL and accuracy average over
     logits: list[torch.Tensor] | None = None  # per step [B, T, Vd], when asked for
 
 
@@ -43,7 +44,7 @@ def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
     ids, length = batch.input_ids, batch.input_ids.shape[1]
     hidden = head.fc(batch.taps)
     keys, values = [], []
-    losses, kls, accs, kept = [], [], [], []
+    losses, kls, accs, counts, kept = [], [], [], [], []
     for step in range(num_steps):
         # Chain t reads token t+1+step; chains whose input or target runs past the sequence are masked.
         shift = 1 + step
@@ -60,13 +61,14 @@ def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
         mask = F.pad(batch.loss_mask[:, shift:], (0, shift)).float()
         target_logp = torch.log_softmax(target, dim=-1)
         kl = (target_logp.exp() * (target_logp - torch.log_softmax(logits, dim=-1))).sum(-1)
+        counts.append(mask.sum().item())
         denom = mask.sum().clamp(min=1.0)
         losses.append((kl * mask).sum() / denom)
         kls.append(losses[-1].item())
         accs.append((((logits.argmax(-1) == target.argmax(-1)).float() * mask).sum() / denom).item())
     weights = decay ** torch.arange(len(losses), dtype=torch.float32, device=ids.device)
     loss = (torch.stack(losses) * weights).sum() / weights.sum()
-    return TTTResult(loss, kls, accs, kept if keep_logits else None)
+    return TTTResult(loss, kls, accs, counts, kept if keep_logits else None)
 
 
 def _layer(head, embeds, hidden, positions, keys: list, values: list) -> torch.Tensor:
