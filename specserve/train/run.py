@@ -35,31 +35,18 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     taps = default_target_layers(resolve_model(engine_config).model_cfg.num_layers)
     gen_config = replace(engine_config, spec=SpecConfig(), context_length=args.max_len,
                          cuda_graph_max_bs=engine_config.scheduler.max_running_requests)
-    workers = args.dp_size
     data_dir = out / "data"
     generating = not (data_dir / "complete").exists()  # generated once, in full; a resumed run reuses it
-    if generating and workers == 1:
+    if generating and args.dp_size == 1:
         llm = LLM(config=gen_config, progress=True, record_layers=taps)
     else:  # this process needs only the model and its tokenizer: no graphs, a small pool
         llm = LLM(config=replace(gen_config, disable_cuda_graph=True, cache=replace(gen_config.cache,
                                                                                    max_total_tokens=4096)))
     model = llm.engine.runner.model
-    shards = sorted(data_dir.glob("shard-*.safetensors"))
     if generating:
-        for partial in shards:  # left by a run stopped while generating
-            partial.unlink()
-        prompts = [llm.chat_prompt(p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
-        # Training sees max_len tokens of a sample, so a prompt that leaves no room for its answer is useless.
-        room = min(args.max_len, llm.engine.max_model_len)  # a target with fewer positions caps --max-len
-        prompts = [p for p in prompts if len(p) + args.max_tokens <= room]
-        if not prompts:
-            raise ValueError(f"every prompt is longer than --max-len {args.max_len} minus --max-tokens")
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        if workers > 1:
-            shards = _generate_in_workers(gen_config, workers, prompts, taps, params, data_dir, args.gen_batch)
-        else:
-            shards = generate(llm, prompts, taps, params, data_dir, shard_size=args.gen_batch)
-        (data_dir / "complete").write_text(f"{len(shards)} shards\n")
+        shards = _generate_data(llm, gen_config, taps, data_dir, args)
+    else:
+        shards = sorted(data_dir.glob("shard-*.safetensors"))
     samples, held_out = hold_out(read_shards(shards), args.eval_samples, args.seed)
     generated_at = time.time()
     vocab = model.config.vocab_size
@@ -97,6 +84,27 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     print(f"saved the head to {out}; {num_samples} samples, final loss {report['final_loss']}")
     return report
+
+
+def _generate_data(llm, gen_config: EngineConfig, taps: tuple[int, ...], data_dir: Path,
+                   args: argparse.Namespace) -> list[Path]:
+    """Regenerates the answers to the prompts into shards under `data_dir`, through `llm` itself or through
+    --dp-size worker engines, and marks the data complete."""
+    for partial in data_dir.glob("shard-*.safetensors"):  # left by a run stopped while generating
+        partial.unlink()
+    prompts = [llm.chat_prompt(p.messages) for p in load_prompts(args.data, args.num_prompts, seed=args.seed)]
+    # Training sees max_len tokens of a sample, so a prompt that leaves no room for its answer is useless.
+    room = min(args.max_len, llm.engine.max_model_len)  # a target with fewer positions caps --max-len
+    prompts = [p for p in prompts if len(p) + args.max_tokens <= room]
+    if not prompts:
+        raise ValueError(f"every prompt is longer than --max-len {args.max_len} minus --max-tokens")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.dp_size > 1:
+        shards = _generate_in_workers(gen_config, args.dp_size, prompts, taps, params, data_dir, args.gen_batch)
+    else:
+        shards = generate(llm, prompts, taps, params, data_dir, shard_size=args.gen_batch)
+    (data_dir / "complete").write_text(f"{len(shards)} shards\n")
+    return shards
 
 
 def _generate_in_workers(gen_config: EngineConfig, workers: int, prompts: list[list[int]], taps: tuple[int, ...],
