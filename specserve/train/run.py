@@ -126,7 +126,7 @@ def _generate_in_workers(gen_config: EngineConfig, workers: int, prompts: list[l
                 proc = running.pop(sentinel)
                 proc.join()  # the sentinel fires as the process exits, a moment before its exit code is known
                 if proc.exitcode != 0:
-                    failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (0, None)]
+                    failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (0, None)]
                     raise RuntimeError(f"generation worker(s) {failed} failed; their errors are printed above")
     finally:
         for proc in procs:  # after a failure or an interrupt, no orphan keeps the device or writes shards
