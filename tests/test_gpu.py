@@ -146,6 +146,9 @@ def test_triton_pointwise_kernels_match_the_eager_functions(dtype):
     gate_up = torch.randn(tokens, 2 * 1000, device="cuda", dtype=dtype) * 4
     torch.testing.assert_close(triton_pointwise.silu_and_mul(gate_up), pointwise._EAGER["silu_and_mul"](gate_up),
                                atol=one_rounding, rtol=one_rounding)
+    batched = gate_up[:36].view(4, 9, -1)  # [B, T, 2I], as a head's held-out evaluation passes
+    torch.testing.assert_close(triton_pointwise.silu_and_mul(batched), pointwise._EAGER["silu_and_mul"](batched),
+                               atol=one_rounding, rtol=one_rounding)
     cache = torch.zeros(2, 500, kv_heads, dim, device="cuda", dtype=dtype)
     expected = cache.clone()
     slots = torch.randperm(500, device="cuda")[:tokens]

@@ -201,12 +201,13 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path, dp_size):
     report_path = tmp_path / "eval.json"
     cmd = [sys.executable, "-m", "specserve.cli", "eval-draft", "--target", str(tiny_chat_model), "--device", "cpu",
            "--max-total-tokens", "4096", "--draft", str(out), "--data", str(prompts), "--num-questions", "3",
-           "--max-tokens", "12", "--chain-steps", "3", "--tree", "2", "3", "6", "--concurrency", "2",
+           "--max-tokens", "12", "--chain-steps", "3", "--tree", "2", "3", "6", "--tree", "2", "2", "4", "--concurrency", "2",
            "--out", str(report_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(report_path.read_text())["results"]
-    assert [r["output_sha256"] for r in rows] == [rows[0]["output_sha256"]] * 3
+    assert [r["setting"] for r in rows[2:]] == ["tree topk 2 steps 3 tokens 6", "tree topk 2 steps 2 tokens 4"]
+    assert [r["output_sha256"] for r in rows] == [rows[0]["output_sha256"]] * 4
     assert rows[0]["mean_acceptance_length"] is None
     assert all(1.0 <= r["mean_acceptance_length"] <= 4.0 for r in rows[1:])
 

@@ -32,14 +32,19 @@ def _silu_and_mul_kernel(GATE_UP, OUT, stride_in, stride_out, WIDTH, BLOCK: tl.c
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> silu(gate) * up, [T, I]."""
-    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    """[..., 2I] -> silu(gate) * up, [..., I]. Leading dimensions are flattened into rows (a head's held-out
+    evaluation passes [B, T, 2I])."""
+    lead, width = gate_up.shape[:-1], gate_up.shape[-1] // 2
+    gate_up = gate_up.reshape(-1, gate_up.shape[-1])
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    rows = gate_up.shape[0]
     out = gate_up.new_empty(rows, width)
     if rows:
         block = 1024
         _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0),
                                                                 width, BLOCK=block)
-    return out
+    return out.view(*lead, width)
 
 
 @triton.jit

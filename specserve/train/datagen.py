@@ -126,10 +126,11 @@ def write_shard(samples: list[Sample], path: Path) -> Path:
     return path
 
 
-def read_shards(paths: list[Path]) -> list[Sample]:
+def read_shards(paths: list[Path], device: torch.device | None = None) -> list[Sample]:
+    """The samples of `paths`, loaded straight onto `device` when given, so host memory never holds them all."""
     samples = []
     for path in paths:
-        tensors = load_file(str(path))
+        tensors = load_file(str(path), device=str(device) if device is not None else "cpu")
         count = len({k.split(".")[0] for k in tensors})
         samples += [Sample(tensors[f"{i}.input_ids"], tensors[f"{i}.taps"], tensors[f"{i}.hidden"],
                            tensors[f"{i}.loss_mask"]) for i in range(count)]

@@ -47,7 +47,10 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
         shards = _generate_data(llm, gen_config, taps, data_dir, args)
     else:
         shards = sorted(data_dir.glob("shard-*.safetensors"))
-    samples, held_out = hold_out(read_shards(shards), args.eval_samples, args.seed)
+    device = llm.engine.runner.device
+    del llm  # and its KV pool: the trainer needs only the model's embedding and lm_head
+    _free_device_memory()
+    samples, held_out = hold_out(read_shards(shards, _sample_device(device, shards)), args.eval_samples, args.seed)
     generated_at = time.time()
     vocab = model.config.vocab_size
     draft_ids = draft_vocabulary(samples, min(args.draft_vocab_size, vocab), vocab)
@@ -56,8 +59,6 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
                       seed=args.seed, checkpoint_every=args.checkpoint_every, minutes=args.train_minutes)
-    del llm  # and its KV pool: the trainer needs only the model's embedding and lm_head
-    _free_device_memory()
     trainer = Trainer(head, model, samples, cfg, out, held_out)
     num_samples, num_held_out = len(samples), len(held_out)
     num_answer_tokens = int(sum(s.loss_mask.sum() for s in samples))
@@ -161,6 +162,15 @@ def _generation_worker(rank: int, workers: int, config: EngineConfig, prompts: l
              prefix=f"shard-{rank:02d}")
 
 
+def _sample_device(device: torch.device, shards: list[Path]) -> torch.device | None:
+    """The GPU when the samples fit on it twice over (the trainer then cuts batches there), else None: host
+    memory. Shards load one by one, so host memory need not hold tens of GB of samples on the way."""
+    if device.type != "cuda":
+        return None
+    size = sum(path.stat().st_size for path in shards)
+    return device if torch.cuda.mem_get_info(device)[0] >= 2 * size else None
+
+
 def _free_device_memory() -> None:
     """Hands the memory of dropped engines back to the device, so that the next engine's sizing sees it free."""
     gc.collect()
@@ -183,9 +193,9 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
 
     conversations = _conversations(args.data, args.num_questions)
     settings = [("no speculation", SpecConfig()),
-                (f"chain {args.chain_steps}", SpecConfig("EAGLE3", args.draft, args.chain_steps)),
-                (f"tree topk {args.tree[0]} steps {args.tree[1]} tokens {args.tree[2]}",
-                 SpecConfig("EAGLE3", args.draft, args.tree[1], args.tree[0], args.tree[2]))]
+                (f"chain {args.chain_steps}", SpecConfig("EAGLE3", args.draft, args.chain_steps))]
+    settings += [(f"tree topk {topk} steps {steps} tokens {tokens}", SpecConfig("EAGLE3", args.draft, steps, topk, tokens))
+                 for topk, steps, tokens in args.tree or [(4, 5, 16)]]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
     for label, spec in settings:

@@ -42,9 +42,16 @@ def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
                   keep_logits: bool = False, decay: float = 1.0) -> TTTResult:
     """`head` is an Eagle3Head (trainable); `embed` the target's frozen token embedding."""
     ids, length = batch.input_ids, batch.input_ids.shape[1]
+    # The target side is the same at every step, only shifted: normalised once, and read back (one host
+    # sync) once at the end, so the device never waits for the host inside a step.
+    target_logp = torch.log_softmax(batch.target_logits.float(), dim=-1)
+    target_p = target_logp.exp()
+    target_neg_entropy = (target_p * target_logp).sum(-1)
+    target_argmax = target_logp.argmax(-1)
+    mask = batch.loss_mask.float()
     hidden = head.fc(batch.taps)
     keys, values = [], []
-    losses, kls, accs, counts, kept = [], [], [], [], []
+    losses, sums, kept = [], [], []
     for step in range(num_steps):
         # Chain t reads token t+1+step; chains whose input or target runs past the sequence are masked.
         shift = 1 + step
@@ -56,19 +63,18 @@ def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
         logits = head.compute_logits(hidden).float()
         if keep_logits:
             kept.append(logits.detach())
-        # Step k at chain t predicts token t+k+2: the target's distribution at position t+k+1.
-        target = F.pad(batch.target_logits[:, shift:], (0, 0, 0, shift)).float()
-        mask = F.pad(batch.loss_mask[:, shift:], (0, shift)).float()
-        target_logp = torch.log_softmax(target, dim=-1)
-        kl = (target_logp.exp() * (target_logp - torch.log_softmax(logits, dim=-1))).sum(-1)
-        count = mask.sum()
-        counts.append(count.item())
-        denom = count.clamp(min=1.0)
-        losses.append((kl * mask).sum() / denom)
-        kls.append(losses[-1].item())
-        accs.append((((logits.argmax(-1) == target.argmax(-1)).float() * mask).sum() / denom).item())
+        # Step k at chain t predicts token t+k+2: the target's distribution at position t+k+1. Chains past
+        # length - shift have no target and are left out.
+        logits = logits[:, :length - shift]
+        step_mask = mask[:, shift:]
+        kl = target_neg_entropy[:, shift:] - (target_p[:, shift:] * torch.log_softmax(logits, dim=-1)).sum(-1)
+        agree = (logits.argmax(-1) == target_argmax[:, shift:]).float()
+        count = step_mask.sum()
+        losses.append((kl * step_mask).sum() / count.clamp(min=1.0))
+        sums.append(torch.stack([count, losses[-1].detach(), (agree * step_mask).sum() / count.clamp(min=1.0)]))
     weights = decay ** torch.arange(len(losses), dtype=torch.float32, device=ids.device)
     loss = (torch.stack(losses) * weights).sum() / weights.sum()
+    counts, kls, accs = (list(column) for column in zip(*torch.stack(sums).tolist())) if sums else ([], [], [])
     return TTTResult(loss, kls, accs, counts, kept if keep_logits else None)
 
 
