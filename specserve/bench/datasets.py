@@ -114,18 +114,36 @@ def _human_turns(records: Iterator[dict]) -> Iterator[BenchPrompt]:
 
 
 def read_jsonl_prompts(path: Path) -> Iterator[BenchPrompt]:
-    """Lines with "prompt" (text), "messages" (chat), "conversations" (ShareGPT style) or "turns" (MT-Bench)."""
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "messages" in row:
-            yield BenchPrompt(messages=row["messages"], output_len=row.get("output_len"))
-        elif "prompt" in row:
-            yield BenchPrompt(messages=[{"role": "user", "content": row["prompt"]}], output_len=row.get("output_len"))
-        elif "conversations" in row:
-            yield from _first_turns([row])
-        elif "turns" in row:
-            yield BenchPrompt(messages=[{"role": "user", "content": row["turns"][0]}])
+    """Lines with "prompt" (text), "messages" (chat), "conversations" (ShareGPT style) or "turns" (MT-Bench,
+    whose first turn is the prompt)."""
+    for where, row in _jsonl_rows(path):
+        yield from _row_prompts(row, where)
+
+
+def read_jsonl_conversations(path: Path) -> Iterator[list[str]]:
+    """User turns per line, for multi-turn evaluation: all of an MT-Bench style line's "turns" (each asked after
+    the model's answer to the one before), else the line's one prompt as read_jsonl_prompts reads it."""
+    for where, row in _jsonl_rows(path):
+        if "turns" in row and not {"messages", "prompt", "conversations"} & row.keys():
+            yield [str(turn) for turn in row["turns"]]
         else:
-            raise ValueError(f"{path}:{number}: expected a prompt, messages, conversations or turns field")
+            yield from ([p.text] for p in _row_prompts(row, where))
+
+
+def _row_prompts(row: dict, where: str) -> Iterator[BenchPrompt]:
+    if "messages" in row:
+        yield BenchPrompt(messages=row["messages"], output_len=row.get("output_len"))
+    elif "prompt" in row:
+        yield BenchPrompt(messages=[{"role": "user", "content": row["prompt"]}], output_len=row.get("output_len"))
+    elif "conversations" in row:
+        yield from _first_turns([row])
+    elif "turns" in row:
+        yield BenchPrompt(messages=[{"role": "user", "content": row["turns"][0]}])
+    else:
+        raise ValueError(f"{where}: expected a prompt, messages, conversations or turns field")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            yield f"{path}:{number}", json.loads(line)

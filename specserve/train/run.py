@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from multiprocessing.connection import wait
 
-from specserve.bench.datasets import load_prompts, mt_bench_questions, read_jsonl_prompts
+from specserve.bench.datasets import load_prompts, mt_bench_questions, read_jsonl_conversations
 from specserve.config import EngineConfig, SpecConfig
 from specserve.engine.factory import resolve_model
 from specserve.models.eagle3 import default_target_layers
@@ -179,11 +179,12 @@ def _free_device_memory() -> None:
 
 
 def _conversations(data: str, num: int | None) -> list[list[str]]:
-    """User turns per conversation: MT-Bench's two turns, or one prompt per JSONL line."""
+    """User turns per conversation: MT-Bench's two turns, all turns of a JSONL line with "turns" (MT-Bench's own
+    question file gives the same conversations), or one prompt per other JSONL line."""
     if data == "mt-bench":
         turns = [q["turns"] for q in mt_bench_questions()]
     else:
-        turns = [[p.text] for p in read_jsonl_prompts(Path(data))]
+        turns = list(read_jsonl_conversations(Path(data)))
     return turns[:num] if num else turns
 
 
