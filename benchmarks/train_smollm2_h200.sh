@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trains the default model's EAGLE-3 head on one H200, evaluates it on MT-Bench, and measures SmolLM2 decode.
+# Trains the default model's EAGLE-3 head on one H200 and evaluates it on MT-Bench.
 #
 # A call to the machine takes at most 64 MiB with the source tree, so the 94 MiB GGUF arrives in four parts
 # and the job runs detached while later calls wait on it:
@@ -7,7 +7,8 @@
 #   launch DIR   stage DIR, join the GGUF, start the job in its own session, then wait like `wait`
 #   wait         up to ~9 minutes; prints the log's tail and copies what is finished to $OUT
 # The prompts file is every distinct human turn of ShareGPT in file order (gzipped), so `--data` with it
-# picks what `--data sharegpt-turns` does.
+# picks what `--data sharegpt-turns` does; MT-Bench's question.jsonl travels beside it (the machine lacks both
+# dataset packages), and eval-draft asks both turns of each question from it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T=/tmp/smol
@@ -31,10 +32,8 @@ job() {
     --train-minutes ${TRAIN_MINUTES:-15} --checkpoint-every 1000 --eval-samples 512 --out $out || return 1
   touch $T/head_done
   python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype float32 --draft $out \
-    --data mt-bench --concurrency 80 --max-tokens 256 --out $T/eval_mtbench_h200.json
-  # The issue fixes the tree's top-k and size, not its depth: a deeper search may place the 15 nodes better.
-  python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype float32 --draft $out \
-    --data mt-bench --concurrency 80 --max-tokens 256 --tree 4 7 16 --out $T/eval_mtbench_tree7_h200.json
+    --data $T/question.jsonl --concurrency 80 --max-tokens 256 --tree 4 8 16 --tree 4 5 16 \
+    --out $T/eval_mtbench_h200.json
 }
 
 collect() {
@@ -58,6 +57,7 @@ stage() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl
   fi
   if [[ -e $1/sharegpt_turns.jsonl.gz ]]; then gunzip -c "$1"/sharegpt_turns.jsonl.gz > $T/sharegpt_turns.jsonl; fi
+  if [[ -e $1/question.jsonl ]]; then cp "$1"/question.jsonl $T/; fi
   ls -la $T
 }
 

@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--chain-steps", type=int, default=5)
     evaluate.add_argument("--tree", type=int, nargs=3, action="append", default=None,
                           metavar=("TOPK", "STEPS", "TOKENS"),
-                          help="a tree setting (default 4 5 16); repeat the flag to compare several in one run")
+                          help="a tree setting (default 4 8 16); repeat the flag to compare several in one run")
     evaluate.add_argument("--concurrency", type=int, default=1,
                           help="conversations decoded together (tok/s is then batch throughput)")
     evaluate.add_argument("--out", default=None, help="write the results JSON here")

@@ -196,7 +196,7 @@ def run_eval_draft(engine_config: EngineConfig, args: argparse.Namespace) -> dic
     settings = [("no speculation", SpecConfig()),
                 (f"chain {args.chain_steps}", SpecConfig("EAGLE3", args.draft, args.chain_steps))]
     settings += [(f"tree topk {topk} steps {steps} tokens {tokens}", SpecConfig("EAGLE3", args.draft, steps, topk, tokens))
-                 for topk, steps, tokens in args.tree or [(4, 5, 16)]]
+                 for topk, steps, tokens in args.tree or [(4, 8, 16)]]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
     for label, spec in settings:
