@@ -8,12 +8,15 @@ generation; with --profile it also lists the step's heaviest kernels under torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity
 
 from specserve.bench.decode import hardware_info
 from specserve.engine.factory import shipped_config
@@ -44,33 +47,35 @@ def _sync() -> None:
 
 
 def measure(target, samples, batch_size: int, steps: int, draft_vocab: int, profile: bool) -> dict:
+    """Times `steps` trainer steps after 5 untimed ones (allocation, kernel selection)."""
     warmup = 5
-    cfg = TrainConfig(steps=warmup + steps, batch_size=batch_size, max_len=640, lr=3e-4, warmup_steps=warmup,
+    cfg = TrainConfig(steps=warmup, batch_size=batch_size, max_len=640, lr=3e-4, warmup_steps=warmup,
                       checkpoint_every=10**9)
     head = new_head(target, torch.arange(draft_vocab), target.config.max_position_embeddings, 0)
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(head, target, samples, cfg, Path(out))
-        trainer.cfg = TrainConfig(**{**cfg.__dict__, "steps": warmup})
         trainer.train(progress=False)
+        trainer.cfg = replace(cfg, steps=warmup + steps)
         _sync()
-        trainer.cfg = cfg
         started = time.perf_counter()
-        if profile:
-            from torch.profiler import ProfilerActivity
-            with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                trainer.train(progress=False)
-                _sync()
-        else:
+        with profiler(profile) as prof:
             trainer.train(progress=False)
             _sync()
         seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     record = {"batch_size": batch_size, "steps": steps, "ms_per_step": 1e3 * seconds / steps,
-              "samples_per_s": batch_size * steps / seconds, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+              "samples_per_s": batch_size * steps / seconds, "peak_memory_gib": peak, "profiled": profile}
     if profile:
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        print(table)
-        record["profile_top"] = table
+        record["profile_top"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(record["profile_top"])
     return record
+
+
+def profiler(enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return torch.profiler.profile(activities=activities)
 
 
 def main() -> None:

@@ -201,8 +201,8 @@ def test_tiny_end_to_end_learns_and_drafts(tiny_chat_model, tmp_path, dp_size):
     report_path = tmp_path / "eval.json"
     cmd = [sys.executable, "-m", "specserve.cli", "eval-draft", "--target", str(tiny_chat_model), "--device", "cpu",
            "--max-total-tokens", "4096", "--draft", str(out), "--data", str(prompts), "--num-questions", "3",
-           "--max-tokens", "12", "--chain-steps", "3", "--tree", "2", "3", "6", "--tree", "2", "2", "4", "--concurrency", "2",
-           "--out", str(report_path)]
+           "--max-tokens", "12", "--chain-steps", "3", "--tree", "2", "3", "6", "--tree", "2", "2", "4",
+           "--concurrency", "2", "--out", str(report_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(report_path.read_text())["results"]
