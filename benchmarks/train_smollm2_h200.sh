@@ -22,13 +22,15 @@ job() {
   # Every ShareGPT human turn (54k; ~51k fit prompt + 256 <= 640 tokens) makes ~57 GB of taps: where the
   # disk has no room for them, they go to shared memory. Four engines generate side by side (one is bound by
   # its own CPU work at this model size).
+  # A relaunch resumes where the data already is.
   out=$T/head
-  if (( $(df --output=avail -B1G /tmp | tail -1) < 75 )); then out=/dev/shm/head; fi
+  if [[ -d /dev/shm/head/data ]] || { [[ ! -d $T/head/data ]] && (( $(df --output=avail -B1G /tmp | tail -1) < 75 )); }
+  then out=/dev/shm/head; fi
   ln -sfn $out $T/head_dir
   python3 -m specserve.cli train-draft --target "$model" --device cuda --dtype bfloat16 \
     --data $T/sharegpt_turns.jsonl --num-prompts ${NUM_PROMPTS:-54109} --max-tokens 256 --max-len 640 --dp-size 4 \
     --max-total-tokens 1000000 --max-running-requests 1024 --chunked-prefill-size 16384 --gen-batch 256 \
-    --draft-vocab-size 14336 --batch-size ${BATCH_SIZE:-16} --lr ${LR:-3e-4} --warmup-steps 100 \
+    --draft-vocab-size 14336 --batch-size ${BATCH_SIZE:-32} --lr ${LR:-4e-4} --warmup-steps 100 \
     --train-minutes ${TRAIN_MINUTES:-15} --checkpoint-every 1000 --eval-samples 512 --out $out || return 1
   touch $T/head_done
   python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype float32 --draft $out \

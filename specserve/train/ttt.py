@@ -48,6 +48,7 @@ def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
     target_p = target_logp.exp()
     target_neg_entropy = (target_p * target_logp).sum(-1)
     target_argmax = target_logp.argmax(-1)
+    del target_logp  # ~1 GB at batch 32: what the steps need is kept above
     mask = batch.loss_mask.float()
     hidden = head.fc(batch.taps)
     keys, values = [], []
@@ -74,7 +75,7 @@ def unrolled_loss(head, embed: torch.nn.Module, batch: TTTBatch, num_steps: int,
         sums.append(torch.stack([count, losses[-1].detach(), (agree * step_mask).sum() / count.clamp(min=1.0)]))
     weights = decay ** torch.arange(len(losses), dtype=torch.float32, device=ids.device)
     loss = (torch.stack(losses) * weights).sum() / weights.sum()
-    counts, kls, accs = (list(column) for column in zip(*torch.stack(sums).tolist())) if sums else ([], [], [])
+    counts, kls, accs = (list(column) for column in zip(*torch.stack(sums).tolist()))
     return TTTResult(loss, kls, accs, counts, kept if keep_logits else None)
 
 
