@@ -23,7 +23,7 @@ from specserve.engine.factory import shipped_config
 from specserve.config import ModelConfig
 from specserve.models.loader import build_model
 from specserve.train.datagen import Sample
-from specserve.train.trainer import TrainConfig, Trainer, new_head
+from specserve.train.trainer import TrainConfig, Trainer, _samples_on_gpu, new_head
 
 
 def random_samples(count: int, hidden: int, num_taps: int, vocab: int, seed: int) -> list[Sample]:
@@ -93,8 +93,8 @@ def main() -> None:
     cfg = ModelConfig.from_hf_config(json.loads(shipped_config(args.model).read_text()))
     target = build_model(cfg, None, torch.bfloat16, device, 2048, progress=False)
     samples = random_samples(args.num_samples, cfg.hidden_size, 3, cfg.vocab_size, 0)
-    if device.type == "cuda":  # as the trainer keeps them when they fit
-        samples = [Sample(*(t.to(device) for t in (s.input_ids, s.taps, s.hidden, s.loss_mask))) for s in samples]
+    if device.type == "cuda":  # once, where each batch size's trainer then finds them
+        samples, _ = _samples_on_gpu(samples, device, len(samples))
     results = []
     for i, batch_size in enumerate(args.batch_sizes):
         if device.type == "cuda":
