@@ -5,7 +5,8 @@
 # and the job runs detached while later calls wait on it:
 #   stage DIR    keep DIR's files under /tmp/smol: a GGUF part, and with the first, the prompts and wheels
 #   launch DIR   stage DIR, join the GGUF, start the job in its own session, then wait like `wait`
-#   wait         up to ~9 minutes; prints the log's tail and copies what is finished to $OUT
+#   wait [S]     up to S seconds (~9 minutes); prints the log's tail and copies what is finished to $OUT
+#   wait-head [S] the same, but returns as soon as the head is saved (to evaluate it elsewhere)
 # The prompts file is every distinct human turn of ShareGPT in file order (gzipped), so `--data` with it
 # picks what `--data sharegpt-turns` does; MT-Bench's question.jsonl travels beside it (the machine lacks both
 # dataset packages), and eval-draft asks both turns of each question from it.
@@ -46,8 +47,8 @@ collect() {
 }
 
 wait_job() {
-  local until=$((SECONDS + ${1:-540}))
-  while [[ ! -e $T/finished && $SECONDS -lt $until ]]; do sleep 5; done
+  local until=$((SECONDS + ${1:-540})) stop_at=${2:-finished}
+  while [[ ! -e $T/finished && ! -e $T/$stop_at && $SECONDS -lt $until ]]; do sleep 5; done
   collect
   [[ -e $T/finished ]] && echo "JOB FINISHED rc=$(cat $T/finished)" || echo "JOB RUNNING"
 }
@@ -75,5 +76,6 @@ case ${1:-} in
     ;;
   job) job ;;
   wait) wait_job "${2:-540}" ;;
-  *) echo "usage: $0 stage DIR | launch DIR [SECONDS] | wait [SECONDS]"; exit 2 ;;
+  wait-head) wait_job "${2:-540}" head_done ;;
+  *) echo "usage: $0 stage DIR | launch DIR [SECONDS] | wait [SECONDS] | wait-head [SECONDS]"; exit 2 ;;
 esac
