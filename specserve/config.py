@@ -137,6 +137,9 @@ class SpecConfig:
     num_draft_tokens: int | None = None  # None: num_steps * topk + 1
     # Speed studies only: accept a drawn number of drafts with mean acceptance length tau (spec/simulate.py).
     simulate_accept_len: float | None = None
+    # Draft only in steps, and for requests, where it pays by measured cost and acceptance (spec/plan.py);
+    # off, every decode step drafts whenever no prompt is pending.
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.simulate_accept_len is not None and (self.algorithm is None or self.simulate_accept_len < 1):

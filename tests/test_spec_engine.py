@@ -323,10 +323,14 @@ def test_the_embedded_default_model_speculates_with_the_bundled_head_by_default(
         return engine_config(args, bundled_head=command in ("serve", "generate")).spec
 
     default = spec_of()
-    assert default == SpecConfig("EAGLE3", head, draft_heads.SMOLLM2_DEFAULT_STEPS, draft_heads.SMOLLM2_DEFAULT_TOPK)
+    assert default == SpecConfig("EAGLE3", head, draft_heads.SMOLLM2_DEFAULT_STEPS, draft_heads.SMOLLM2_DEFAULT_TOPK,
+                                 adaptive=True)
     assert spec_of("--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
-                   "--speculative-num-draft-tokens", "16") == SpecConfig("EAGLE3", head, 5, 4, 16)
-    assert spec_of("--speculative-algorithm", "EAGLE3", command="bench") == default  # the head is found
+                   "--speculative-num-draft-tokens", "16") == SpecConfig("EAGLE3", head, 5, 4, 16, adaptive=True)
+    assert not spec_of("--disable-speculative-adaptive").adaptive
+    # Benchmarks draft every step unless asked to adapt; the head is found.
+    assert spec_of("--speculative-algorithm", "EAGLE3", command="bench") == replace(default, adaptive=False)
+    assert spec_of("--speculative-algorithm", "EAGLE3", "--speculative-adaptive", command="bench") == default
     assert spec_of(command="bench").algorithm is None  # benchmarks measure what their flags ask for
     assert spec_of("--speculative-algorithm", "NONE").algorithm is None
     assert spec_of("--model-path", "some-model").algorithm is None  # no head is known for other models

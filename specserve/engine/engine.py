@@ -10,6 +10,7 @@ placeholders in the batch. So speculation configured but not drafting keeps the 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -66,11 +67,23 @@ class _InFlight:
     placeholders: list[tuple[Request, int]]
 
 
+class StepObserver(Protocol):
+    """What an adaptive draft plan learns from (spec/plan.py)."""
+
+    def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None: ...
+
+    def observe_other_step(self) -> None: ...
+
+    def observe_acceptance(self, request: Request, drafted: int, accepted: int) -> None: ...
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, eos_token_ids: tuple[int, ...],
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, observer: StepObserver | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.observer = observer
+        self._last_step: tuple[StepBatch, float] | None = None  # for the observer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.timer = NoTimer()
         # Steps that draft run synchronously: drafting reads the tokens on the host.
@@ -103,11 +116,33 @@ class EngineCore:
         return self.scheduler.has_work() or self.in_flight is not None
 
     def step(self) -> list[TokenDelta]:
+        start = time.perf_counter()
+        if self.observer is not None:
+            self._observe(start)
         with self.timer.phase("schedule"):
             batch = self.scheduler.schedule()
         if not batch.seqs:
             return self._read_back()
         self.timer.steps += 1
+        deltas = self._run(batch)
+        # A step after which the engine may sit idle has no next start to time it by.
+        self._last_step = (batch, start) if self.has_work() else None
+        return deltas
+
+    def _observe(self, now: float) -> None:
+        """Reports the last step's cost: the time from its start to this one's, so the host work between
+        calls (outputs, detokenization) counts too. Under overlap a call launches its step and reads the
+        previous one back, so in a run of like steps this is one step's cost either way."""
+        if self._last_step is None:
+            return
+        (batch, start), self._last_step = self._last_step, None
+        if all(len(s.token_ids) == 1 and s.sample for s in batch.seqs):
+            drafted = any(s.num_draft_tokens for s in batch.seqs)
+            self.observer.observe_step(drafted, len(batch.seqs), now - start)
+        else:
+            self.observer.observe_other_step()
+
+    def _run(self, batch: StepBatch) -> list[TokenDelta]:
         if self.overlap and not any(s.num_draft_tokens for s in batch.seqs):
             return self._step_overlapped(batch)
         # Drafting reads the tokens on the host, so the step in flight (if any) is read back first.
@@ -211,6 +246,8 @@ class EngineCore:
                 request.num_spec_steps += 1
                 request.num_drafted_tokens += seq.num_draft_tokens
                 request.num_accepted_tokens += accepted_drafts
+                if self.observer is not None:
+                    self.observer.observe_acceptance(request, seq.num_draft_tokens, accepted_drafts)
             emitted = self._append_until_finished(request, tokens)
             if not request.finished:
                 self.scheduler.trim(request)

@@ -17,6 +17,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.models.eagle3 import Eagle3Head
 from specserve.models.loader import build_model, load_eagle3_head
 from specserve.spec.drafters import DraftModelDrafter, Eagle3Drafter
+from specserve.spec.plan import AdaptivePlan
 from specserve.spec.proposer import TreeProposer, scratch_slots
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -133,12 +134,15 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
     pad_page = use_graphs or use_chain or use_tree
     kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + tree_scratch, dtype, device)
-    proposer, plan = None, None
+    proposer, plan, gate, adaptive = None, None, None, None
     if draft is not None:
         proposer = _build_proposer(config, draft, model, num_pages * page_size, kv_cache.shape[2], dtype, device)
         plan = _fixed_plan(config.spec.max_drafts)
+        if config.spec.adaptive:
+            adaptive = AdaptivePlan(config.spec.max_drafts)
+            plan, gate = adaptive.num_drafts, adaptive.step_drafts
     scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
-                          config.spec.max_drafts)
+                          config.spec.max_drafts, gate)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed,
                          config.scheduler.max_running_requests)
@@ -167,7 +171,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
                                      progress, proposer, record_layers)
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
     overlap = device.type == "cuda" and not config.disable_overlap
-    return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap), resolved
+    return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap, adaptive), resolved
 
 
 def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, device, max_model_len: int,

@@ -43,6 +43,8 @@ class Request:
     num_spec_steps: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # For the adaptive draft plan (spec/plan.py): drafting steps since this request last drafted.
+    steps_since_drafting: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -59,11 +59,15 @@ class Scheduler:
         max_model_len: int,
         draft_plan: Callable[[Request], int] | None = None,
         max_draft_tokens: int = 0,
+        draft_gate: Callable[[list[Request]], bool] | None = None,
     ) -> None:
         self.config = config
         # How many tokens to draft for a decoding request this step (at most max_draft_tokens, what the
         # proposer was sized for); None: never speculate.
         self.draft_plan = draft_plan
+        # Whether a step of only decoding requests drafts at all (spec/plan.py); None: whenever it can.
+        self.draft_gate = draft_gate
+        self._gate_open = True  # its last answer
         self.max_draft_tokens = max_draft_tokens
         self.allocator = allocator
         self.max_model_len = max_model_len
@@ -111,8 +115,12 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         """With speculation configured, a step drafts only when no prompt work is pending, so a drafting step
         holds decoding requests alone (the shape the chain and tree programs and their CUDA graphs take). While prompts
-        are pending, decoding requests still join every step, without drafts: they never wait on prompts."""
-        drafting = self.draft_plan is not None and not self._prompt_work_pending()
+        are pending, decoding requests still join every step, without drafts: they never wait on prompts. A
+        draft gate (the adaptive plan) may keep a step from drafting; while it does, drafters stay behind."""
+        drafting = False
+        if self.draft_plan is not None and not self._prompt_work_pending():
+            # A drafter left behind while the gate was shut catches up in the next step that drafts for it.
+            drafting = self._gate_open = self._gate_opens()
         budget = self.config.chunked_prefill_size
         scheduled: list[tuple[Request, int, int]] = []
         preempted = False
@@ -144,7 +152,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, count, 0))
             budget -= count
-        extend = self.draft_plan is not None and not drafting
+        # Drafters follow the decoders along only while the gate is open: while drafting does not pay, they
+        # stay behind (prompt chunks excepted), and most requests finish before it pays again.
+        extend = self.draft_plan is not None and not drafting and self._gate_open
         return StepBatch([self._describe(r, n, d, extend) for r, n, d in scheduled], self.allocator.page_size)
 
     def _prompt_work_pending(self) -> bool:
@@ -156,6 +166,12 @@ class Scheduler:
         first = self.waiting[0]
         count = min(first.num_uncomputed_tokens, self.config.chunked_prefill_size)
         return self.allocator.pages_for(count) <= self.allocator.num_free
+
+    def _gate_opens(self) -> bool:
+        if self.draft_gate is None:
+            return True
+        decoding = [r for r in self.running if not self._awaits_last_token(r)]
+        return bool(decoding) and self.draft_gate(decoding)
 
     def _awaits_last_token(self, request: Request) -> bool:
         """With overlap, a request whose last allowed token is still being sampled needs no more steps."""

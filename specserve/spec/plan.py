@@ -1,0 +1,128 @@
+"""When to draft: speculation that is never a loss, decided per step and per request. Pure Python.
+
+A step that drafts costs more than a plain one and yields each request its acceptance length τ (accepted
+drafts plus the bonus token) instead of one token. So a pure decode step of B requests drafts when
+
+    (Σ τ_r over the requests that draft + one token for each that does not) / t_draft(B)  >  B / t_plain(B)
+
+and a request drafts only while its own τ_r beats the step's break-even t_draft(B) / t_plain(B). Costs are
+measured, not assumed: the engine reports every pure decode step's duration, by whether it drafted and by
+batch-size bucket (the GPU replays one CUDA graph per bucket); τ_r is a running mean per request, starting
+from the mean over recent requests. Until both costs of a bucket are known it measures them. The estimates of
+the side not in use go stale, so after `probe_every` steps of one side the other runs for `probe_len` steps (after 4x as many where one side wins clearly)
+(two, because the first step after a switch also pays for the switch: with overlap scheduling it waits for
+the step in flight), and a request held back from drafting drafts again after `probe_every` of its steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    probe_every: int = 64  # steps of one side before the other is measured again
+    # Where one side wins by more than this factor, the other is measured 4x less often.
+    clear_margin: float = 1.25
+    probe_len: int = 2  # steps a probe lasts; only the last is timed
+    smoothing: float = 0.2  # weight of a new step time in the running means (acceptance: 1/8 of it)
+    prior_steps: float = 8.0  # a request's acceptance counts as this many steps at the recent mean, plus its own
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes whose steps cost about the same: the next power of two."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class AdaptivePlan:
+    """The scheduler asks `step_drafts` once per pure decode step, then `num_drafts` per request; the engine
+    reports step times to `observe_step` and verdicts to `observe_acceptance`."""
+
+    def __init__(self, max_drafts: int, config: AdaptiveConfig = AdaptiveConfig()) -> None:
+        self.max_drafts = max_drafts
+        self.config = config
+        # Optimistic until measured, so that drafting is tried: half the drafts accepted.
+        self.mean_accept_len = 1.0 + max_drafts / 2
+        self.cost: dict[tuple[bool, int], float] = {}  # (drafts, bucket) -> seconds per step
+        self._side: dict[int, tuple[bool, int]] = {}  # bucket -> (the side its last steps took, how many in a row)
+        self._planned: tuple[bool, int] | None = None  # the step planned last, until it is observed
+        self._observed: tuple[bool, int] | None = None  # the last step observed, if it was planned
+        self._streak = 0  # planned steps in a row with the same side and bucket, the last one included
+        self.break_even = 0.0  # t_draft / t_plain of the step being planned (0 while unknown)
+
+    # -- planning ---------------------------------------------------------
+    def step_drafts(self, requests: list[Request]) -> bool:
+        """Whether this pure decode step over `requests` drafts."""
+        size = bucket(len(requests))
+        draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
+        if draft is None or plain is None:
+            self.break_even = 0.0
+            choice = draft is None  # measure what is missing, drafting first
+        else:
+            self.break_even = draft / plain
+            gain = self._gain(requests, draft, plain)
+            clear = max(gain, 1 / gain) > self.config.clear_margin
+            choice = self._probe(size, gain > 1, self.config.probe_every * (4 if clear else 1))
+        last, run = self._side.get(size, (None, 0))
+        self._side[size] = (choice, run + 1 if last == choice else 1)
+        key = (choice, size)
+        self._streak = self._streak + 1 if self._observed == key else 1
+        self._planned = key
+        return choice
+
+    def num_drafts(self, request: Request) -> int:
+        """A request drafts while it gains on its own, and now and then to learn whether it would again."""
+        request.steps_since_drafting += 1
+        if self._accept_len(request) > self.break_even or request.steps_since_drafting > self.config.probe_every:
+            return self.max_drafts
+        return 0
+
+    def _gain(self, requests: list[Request], draft: float, plain: float) -> float:
+        """Tokens per second of a drafting step over a plain one's."""
+        tokens = sum(self._accept_len(r) if self._accept_len(r) > draft / plain else 1.0 for r in requests)
+        return (tokens / draft) / (len(requests) / plain)
+
+    def _probe(self, size: int, choice: bool, every: int) -> bool:
+        """`choice`, unless the other side is due to be measured again, or a probe or switch has not run
+        its `probe_len` steps yet."""
+        side, run = self._side.get(size, (None, 0))
+        if side is None:
+            return choice
+        if side != choice and run < self.config.probe_len:
+            return side
+        if side == choice and run >= every:
+            return not side
+        return choice
+
+    def _accept_len(self, request: Request) -> float:
+        """The request's mean acceptance length, drawn towards the recent requests' mean while it has drafted
+        little: a step's acceptance is noisy, and one unlucky run must not stop a good request."""
+        prior = self.config.prior_steps
+        total = request.num_spec_steps + request.num_accepted_tokens + prior * self.mean_accept_len
+        return total / (request.num_spec_steps + prior)
+
+    # -- observing --------------------------------------------------------
+    def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None:
+        """A pure decode step's duration. Kept only for a step the plan made that followed one of the same
+        side and bucket: the first after a switch paid for the switch, and steps held back from drafting
+        while prompts were pending are not the plan's."""
+        key, planned = (drafted, bucket(batch_size)), self._planned
+        if planned == key and self._streak >= 2:
+            self.cost[key] = _blend(self.cost.get(key), seconds, self.config.smoothing)
+        self._observed = key if planned == key else None
+        self._planned = None
+
+    def observe_other_step(self) -> None:
+        """A step that computed prompt tokens: the next decode step starts a new streak."""
+        self._planned = self._observed = None
+
+    def observe_acceptance(self, request: Request, drafted: int, accepted: int) -> None:
+        """Called after the request's counters took this step in."""
+        if drafted > 0:
+            request.steps_since_drafting = 0
+            self.mean_accept_len = _blend(self.mean_accept_len, 1.0 + accepted, self.config.smoothing / 8)
+
+
+def _blend(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

@@ -1,0 +1,201 @@
+"""The adaptive draft plan: it drafts when measured costs and acceptance say a drafting step yields more
+tokens per second than a plain one, stops when they say it does not, per step and per request, and in
+steady state never gives up more than its occasional re-measurements cost. Driven by a cost model with a
+fake clock; an engine test checks it end to end on a tiny model."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from specserve.config import SpecConfig
+from specserve.engine.factory import build_engine_core
+from specserve.engine.request import Request
+from specserve.sampling_params import SamplingParams
+from specserve.spec.plan import AdaptivePlan, bucket
+
+from test_greedy_vs_hf import _prompts, _tight_config
+
+
+def _requests(n: int) -> list[Request]:
+    return [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=10_000), 10_000) for i in range(n)]
+
+
+def _drive(plan: AdaptivePlan, requests: list[Request], plain_s, draft_s, accept_len, steps: int = 2000,
+           seed: int = 0):
+    """Runs `steps` pure decode steps through the plan. plain_s(B) and draft_s(B) give a step's seconds;
+    accept_len(request) the mean acceptance length of a request's drafts (drawn as two neighbouring
+    integers). Returns tokens per second and the share of steps that drafted."""
+    rng = random.Random(seed)
+    tokens, seconds, drafting_steps = 0.0, 0.0, 0
+    for _ in range(steps):
+        drafts = plan.step_drafts(requests)
+        cost = draft_s(len(requests)) if drafts else plain_s(len(requests))
+        for request in requests:
+            k = plan.num_drafts(request) if drafts else 0
+            if k:
+                mean = accept_len(request) - 1
+                accepted = min(k, int(mean) + (rng.random() < mean - int(mean)))
+                request.num_spec_steps += 1  # as the engine counts, before it reports
+                request.num_accepted_tokens += accepted
+                plan.observe_acceptance(request, k, accepted)
+                tokens += 1 + accepted
+            else:
+                tokens += 1
+        plan.observe_step(drafts, len(requests), cost)
+        seconds += cost
+        drafting_steps += drafts
+    return tokens / seconds, drafting_steps / steps
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 250)] == [1, 2, 4, 4, 8, 8, 16, 256]
+
+
+# A GPU-like shape: a plain step's cost barely grows with the batch, a drafting one's grows 5x as fast.
+PLAIN = lambda b: 10.0 + 0.02 * b  # noqa: E731
+DRAFT = lambda b: 12.0 + 0.10 * b  # noqa: E731
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64, 250])
+@pytest.mark.parametrize("tau", [1.0, 2.0, 3.0])
+def test_throughput_is_within_probing_cost_of_the_better_side(batch, tau):
+    plan = AdaptivePlan(max_drafts=3)
+    got, drafted = _drive(plan, _requests(batch), PLAIN, DRAFT, lambda r: tau)
+    plain_rate = batch / PLAIN(batch)
+    draft_rate = batch * tau / DRAFT(batch)
+    best = max(plain_rate, draft_rate)
+    assert got >= 0.97 * best, (got, plain_rate, draft_rate, drafted)
+    if draft_rate > 1.1 * plain_rate:
+        assert drafted > 0.9
+    if plain_rate > 1.1 * draft_rate:
+        assert drafted < 0.1
+
+
+def test_it_follows_the_load_up_and_down():
+    """The same plan, as the batch grows past the crossover and shrinks again (buckets keep their costs)."""
+    plan = AdaptivePlan(max_drafts=3)
+    shares = [_drive(plan, _requests(b), PLAIN, DRAFT, lambda r: 2.5, steps=600)[1] for b in (1, 250, 1)]
+    assert shares[0] > 0.9 and shares[1] < 0.1 and shares[2] > 0.9
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_alone():
+    plan = AdaptivePlan(max_drafts=3)
+    requests = _requests(4)
+    hopeless = requests[0]
+    counts = {r.request_id: 0 for r in requests}
+    original = plan.num_drafts
+
+    def counted(request):
+        k = original(request)
+        counts[request.request_id] += k > 0
+        return k
+
+    plan.num_drafts = counted
+    _drive(plan, requests, PLAIN, DRAFT, lambda r: 1.0 if r is hopeless else 3.5, steps=1000)
+    assert counts["r1"] > 900 and counts["r2"] > 900
+    assert counts["r0"] < 100  # re-measured now and then, never more
+
+
+def test_a_step_after_a_switch_is_not_timed():
+    plan = AdaptivePlan(max_drafts=3)
+    requests = _requests(2)
+    assert plan.step_drafts(requests)  # nothing measured yet: drafting first
+    plan.observe_step(True, 2, 100.0)  # the first of its side: paid for the switch
+    assert (True, 2) not in plan.cost
+    assert plan.step_drafts(requests)
+    plan.observe_step(True, 2, 12.0)
+    assert plan.cost[(True, 2)] == 12.0
+    assert not plan.step_drafts(requests)  # the plain cost is still missing
+    plan.observe_step(False, 2, 999.0)
+    plan.observe_other_step()  # a prompt chunk in between starts a new streak
+    assert not plan.step_drafts(requests)
+    plan.observe_step(False, 2, 999.0)
+    assert (False, 2) not in plan.cost
+
+
+@pytest.fixture(scope="module")
+def random_head(tiny_checkpoint, tmp_path_factory):
+    import torch
+
+    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+
+    target = tiny_checkpoint("llama", True)
+    head_dir = tmp_path_factory.mktemp("eagle3-random-plan")
+    head = load_eagle3_head(None, read_model_config(target), torch.float32, torch.device("cpu"), 512, seed=7)
+    save_eagle3_head(head, head_dir)
+    return target, head_dir
+
+
+def _greedy_run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int, int]:
+    """Prompts arrive two per step; returns the outputs, the engine steps and the steps that drafted."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = {str(i): [] for i in range(len(prompts))}
+    steps = spec_steps = 0
+    while steps * 2 < len(prompts) or engine.has_work():
+        for i in range(2 * steps, min(2 * steps + 2, len(prompts))):
+            engine.add_request(str(i), prompts[i], params)
+        deltas = engine.step()
+        for delta in deltas:
+            outputs[delta.request_id] += delta.new_token_ids
+        steps += 1
+        spec_steps += any(d.step_accepted is not None for d in deltas)
+    return [outputs[str(i)] for i in range(len(prompts))], steps, spec_steps
+
+
+@pytest.mark.parametrize("draft", ["random-eagle3", "target-itself"])
+def test_engine_output_is_unchanged_and_useless_drafts_stop(random_head, draft):
+    """Greedy output with the plan equals output without speculation while requests arrive and finish, and no
+    page leaks. With a random head (nothing accepted) drafting soon stops; with the target as its own draft
+    (everything accepted) it goes on, given step costs where that pays."""
+    target, head_dir = random_head
+    spec = (SpecConfig("EAGLE3", str(head_dir), 3, adaptive=True) if draft == "random-eagle3"
+            else SpecConfig("DRAFT_MODEL", str(target), 3, adaptive=True))
+    prompts = _prompts(512, seed=5)
+    plain, _ = build_engine_core(_tight_config(str(target), 4000), progress=False)
+    expected, plain_steps, _ = _greedy_run(plain, prompts, max_tokens=120)
+    engine, _ = build_engine_core(replace(_tight_config(str(target), 4000), spec=spec), progress=False)
+    # Step times from a cost model, not this machine's clock: a drafting step costs 1.3 plain ones.
+    observe = engine.observer.observe_step
+    engine.observer.observe_step = lambda drafted, size, seconds: observe(drafted, size, 1.3 if drafted else 1.0)
+    outputs, steps, spec_steps = _greedy_run(engine, prompts, max_tokens=120)
+    assert outputs == expected
+    assert engine.scheduler.allocator.num_used == 0
+    if draft == "random-eagle3":
+        assert spec_steps < 0.25 * steps, (spec_steps, steps)
+    else:
+        assert steps < 0.6 * plain_steps, (spec_steps, steps, plain_steps)
+
+
+def test_while_the_gate_is_shut_drafters_stay_behind_and_catch_up_when_it_opens():
+    """Steps the gate keeps from drafting give the drafter nothing to follow, not even in a step with a
+    prompt chunk (the chunk itself excepted); the next drafting step catches up on everything."""
+    from specserve.config import SchedulerConfig
+    from specserve.engine.kv_pages import PageAllocator
+    from specserve.engine.scheduler import Scheduler
+
+    gate = {"open": False}
+    sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=12), PageAllocator(100, 4), 512,
+                      draft_plan=lambda request: 3, max_draft_tokens=3, draft_gate=lambda requests: gate["open"])
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=20), 20)
+    sched.add(a)
+    assert sched.schedule().seqs[0].draft_catchup_ids == [1, 2, 3]  # a prompt chunk: the drafter follows
+    a.num_computed_tokens = a.num_draft_computed_tokens = 3
+    for token in (7, 8, 9):
+        a.token_ids.append(token)
+        (seq,) = sched.schedule().seqs
+        assert (seq.num_draft_tokens, seq.draft_catchup_ids) == (0, [])
+        a.num_computed_tokens += 1
+    a.token_ids.append(10)
+    sched.add(Request("b", [4, 5], SamplingParams(max_tokens=20), 20))
+    seqs = sched.schedule().seqs  # b's prompt is pending; the gate was shut at the last decode step
+    assert [(s.request_id, s.draft_catchup_ids) for s in seqs] == [("a", []), ("b", [4, 5])]
+    a.num_computed_tokens += 1
+    sched.requests["b"].num_computed_tokens = sched.requests["b"].num_draft_computed_tokens = 2
+    a.token_ids.append(11)
+    sched.requests["b"].token_ids.append(12)
+    gate["open"] = True
+    seq_a, seq_b = sched.schedule().seqs
+    assert (seq_a.num_draft_tokens, seq_a.draft_catchup_ids) == (3, [7, 8, 9, 10, 11])
+    assert (seq_b.num_draft_tokens, seq_b.draft_catchup_ids) == (3, [12])
