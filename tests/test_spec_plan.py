@@ -31,9 +31,10 @@ def _drive(plan: AdaptivePlan, requests: list[Request], plain_s, draft_s, accept
     tokens, seconds, drafting_steps = 0.0, 0.0, 0
     for _ in range(steps):
         drafts = plan.step_drafts(requests)
-        cost = draft_s(len(requests)) if drafts else plain_s(len(requests))
+        drafted_any = False
         for request in requests:
             k = plan.num_drafts(request) if drafts else 0
+            drafted_any |= k > 0
             if k:
                 mean = accept_len(request) - 1
                 accepted = min(k, int(mean) + (rng.random() < mean - int(mean)))
@@ -43,9 +44,11 @@ def _drive(plan: AdaptivePlan, requests: list[Request], plain_s, draft_s, accept
                 tokens += 1 + accepted
             else:
                 tokens += 1
-        plan.observe_step(drafts, len(requests), cost)
+        # What the engine reports: whether anything was drafted, not what the gate said.
+        cost = draft_s(len(requests)) if drafted_any else plain_s(len(requests))
+        plan.observe_step(drafted_any, len(requests), cost)
         seconds += cost
-        drafting_steps += drafts
+        drafting_steps += drafted_any
     return tokens / seconds, drafting_steps / steps
 
 
@@ -199,3 +202,44 @@ def test_while_the_gate_is_shut_drafters_stay_behind_and_catch_up_when_it_opens(
     seq_a, seq_b = sched.schedule().seqs
     assert (seq_a.num_draft_tokens, seq_a.draft_catchup_ids) == (3, [7, 8, 9, 10, 11])
     assert (seq_b.num_draft_tokens, seq_b.draft_catchup_ids) == (3, [12])
+
+
+def test_drafting_resumes_when_acceptance_comes_back():
+    """Probes let every request draft, even those the last estimate put below the break-even, so a plan that
+    stopped drafting for hopeless requests sees better ones when they come."""
+    plan = AdaptivePlan(max_drafts=3)
+    _, hopeless = _drive(plan, _requests(8), PLAIN, DRAFT, lambda r: 1.0, steps=1000)
+    _, good = _drive(plan, _requests(8), PLAIN, DRAFT, lambda r: 3.5, steps=1500)
+    assert hopeless < 0.05 and good > 0.7, (hopeless, good)
+
+
+def test_a_step_cut_short_counts_for_the_load_it_was_planned_at():
+    """The token budget may schedule fewer requests than the gate was asked about; the time still tells
+    what that side costs at this load, or the plan would try to measure it forever."""
+    plan = AdaptivePlan(max_drafts=3)
+    requests = _requests(250)
+    for _ in range(2):
+        assert plan.step_drafts(requests)
+        plan.observe_step(True, 128, 30.0)
+    assert plan.cost == {(True, 256): 30.0}
+    assert not plan.step_drafts(requests)  # on to the plain side
+
+
+def test_a_probe_cut_by_a_prompt_step_runs_until_it_is_timed():
+    """A prompt step after each probe step leaves every probe step untimed (each is the first of its streak):
+    the probe goes on past `probe_len` steps, and gives up after 4x as many."""
+    plan = AdaptivePlan(max_drafts=3)
+    requests = _requests(64)
+    _drive(plan, requests, PLAIN, DRAFT, lambda r: 1.5, steps=300)  # plain wins clearly at 64
+    samples = plan._samples[(True, 64)]
+    runs, run = [], 0
+    for _ in range(2 * 4 * plan.config.probe_every):
+        drafts = plan.step_drafts(requests)
+        plan.observe_step(drafts, 64, DRAFT(64) if drafts else PLAIN(64))
+        if drafts:
+            plan.observe_other_step()
+            run += 1
+        elif run:
+            runs, run = runs + [run], 0
+    assert plan._samples[(True, 64)] == samples
+    assert runs and all(r == 4 * plan.config.probe_len for r in runs), runs

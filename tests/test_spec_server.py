@@ -13,7 +13,8 @@ from test_server import _metric
 def spec_server(tiny_chat_model):
     with live_server("--model", str(tiny_chat_model), "--served-model-name", "tiny", "--max-total-tokens", "4096",
                      "--speculative-algorithm", "DRAFT_MODEL", "--speculative-draft-model-path", str(tiny_chat_model),
-                     "--speculative-num-steps", "3") as base:
+                     # Every step drafts, so the counts below are exact (the adaptive plan would time steps).
+                     "--speculative-num-steps", "3", "--disable-speculative-adaptive") as base:
         yield {"base": base}
 
 

@@ -120,7 +120,7 @@ class Scheduler:
         drafting = False
         if self.draft_plan is not None and not self._prompt_work_pending():
             # A drafter left behind while the gate was shut catches up in the next step that drafts for it.
-            drafting = self._gate_open = self._gate_opens()
+            drafting = self._gate_opens()
         budget = self.config.chunked_prefill_size
         scheduled: list[tuple[Request, int, int]] = []
         preempted = False
@@ -168,10 +168,11 @@ class Scheduler:
         return self.allocator.pages_for(count) <= self.allocator.num_free
 
     def _gate_opens(self) -> bool:
-        if self.draft_gate is None:
-            return True
+        """Asks the gate about the decoding requests; with none, there is nothing to ask and nothing to draft."""
         decoding = [r for r in self.running if not self._awaits_last_token(r)]
-        return bool(decoding) and self.draft_gate(decoding)
+        if self.draft_gate is not None and decoding:
+            self._gate_open = self.draft_gate(decoding)
+        return bool(decoding) and self._gate_open
 
     def _awaits_last_token(self, request: Request) -> bool:
         """With overlap, a request whose last allowed token is still being sampled needs no more steps."""
@@ -235,7 +236,8 @@ class Scheduler:
         # What the drafter catches up on: everything up to the root when it drafts, and prompt chunks in the
         # step that computes them. In a step held back from drafting by pending prompts (`extend`), decoding
         # requests' known tokens too (all but the newest, which under overlap may still be a placeholder), so
-        # the next drafting step has at most the two newest to catch up on. Otherwise it waits (lazily).
+        # the next drafting step has at most the two newest to catch up on; not while the draft gate is shut,
+        # when the next drafting step catches up on all it missed. Otherwise it waits (lazily).
         catch_up_end = request.num_draft_computed_tokens
         if self.draft_plan is not None and (drafts > 0 or count > 1):
             catch_up_end = start + count

@@ -5,13 +5,15 @@ drafts plus the bonus token) instead of one token. So a pure decode step of B re
 
     (Σ τ_r over the requests that draft + one token for each that does not) / t_draft(B)  >  B / t_plain(B)
 
-and a request drafts only while its own τ_r beats the step's break-even t_draft(B) / t_plain(B). Costs are
-measured, not assumed: the engine reports every pure decode step's duration, by whether it drafted and by
-batch-size bucket (the GPU replays one CUDA graph per bucket); τ_r is a running mean per request, starting
-from the mean over recent requests. Until both costs of a bucket are known it measures them. The estimates of
-the side not in use go stale, so after `probe_every` steps of one side the other runs for `probe_len` steps (after 4x as many where one side wins clearly)
-(two, because the first step after a switch also pays for the switch: with overlap scheduling it waits for
-the step in flight), and a request held back from drafting drafts again after `probe_every` of its steps.
+and a request drafts only while its own τ_r beats the step's break-even t_draft(B) / t_plain(B).
+
+Costs are measured, not assumed: the engine reports every pure decode step's duration, by whether it
+drafted and by batch-size bucket (powers of two). τ_r is the request's mean, drawn towards the recent
+requests' mean while it has drafted little. Until both costs of a bucket are known, the plan measures them.
+The side not in use goes stale, so after `probe_every` steps of one side (4x as many where one side wins
+clearly) the other runs for at least `probe_len` steps, until one of them is timed: the first step after a
+switch is not, since it also paid for the switch (under overlap scheduling it waited for the step in flight).
+A request held back from drafting drafts again after `probe_every` drafting steps without it.
 """
 from __future__ import annotations
 
@@ -25,9 +27,13 @@ class AdaptiveConfig:
     probe_every: int = 64  # steps of one side before the other is measured again
     # Where one side wins by more than this factor, the other is measured 4x less often.
     clear_margin: float = 1.25
-    probe_len: int = 2  # steps a probe lasts; only the last is timed
+    probe_len: int = 2  # steps a probe lasts at least; the first after a switch is never timed
     smoothing: float = 0.2  # weight of a new step time in the running means (acceptance: 1/8 of it)
     prior_steps: float = 8.0  # a request's acceptance counts as this many steps at the recent mean, plus its own
+
+    def __post_init__(self) -> None:
+        if self.probe_len < 2:
+            raise ValueError("a probe must last at least two steps: the first after a switch is not timed")
 
 
 def bucket(batch_size: int) -> int:
@@ -45,11 +51,13 @@ class AdaptivePlan:
         # Optimistic until measured, so that drafting is tried: half the drafts accepted.
         self.mean_accept_len = 1.0 + max_drafts / 2
         self.cost: dict[tuple[bool, int], float] = {}  # (drafts, bucket) -> seconds per step
-        self._side: dict[int, tuple[bool, int]] = {}  # bucket -> (the side its last steps took, how many in a row)
+        self._samples: dict[tuple[bool, int], int] = {}  # step times kept, per key
+        # bucket -> the side its last steps took, how many in a row, and that side's samples when it began.
+        self._side: dict[int, tuple[bool, int, int]] = {}
         self._planned: tuple[bool, int] | None = None  # the step planned last, until it is observed
-        self._observed: tuple[bool, int] | None = None  # the last step observed, if it was planned
+        self._observed: tuple[bool, int] | None = None  # the last step observed, if it went as planned
         self._streak = 0  # planned steps in a row with the same side and bucket, the last one included
-        self.break_even = 0.0  # t_draft / t_plain of the step being planned (0 while unknown)
+        self.break_even = 0.0  # t_draft / t_plain for this step's requests (0: every request drafts)
 
     # -- planning ---------------------------------------------------------
     def step_drafts(self, requests: list[Request]) -> bool:
@@ -57,15 +65,20 @@ class AdaptivePlan:
         size = bucket(len(requests))
         draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
         if draft is None or plain is None:
-            self.break_even = 0.0
             choice = draft is None  # measure what is missing, drafting first
+            pays = choice
         else:
-            self.break_even = draft / plain
             gain = self._gain(requests, draft, plain)
+            pays = gain > 1
             clear = max(gain, 1 / gain) > self.config.clear_margin
-            choice = self._probe(size, gain > 1, self.config.probe_every * (4 if clear else 1))
-        last, run = self._side.get(size, (None, 0))
-        self._side[size] = (choice, run + 1 if last == choice else 1)
+            choice = self._probe(size, pays, self.config.probe_every * (4 if clear else 1))
+        # A step that drafts to measure (not because it pays) lets every request draft: otherwise requests
+        # below the break-even would draft nothing, and nothing would be measured.
+        self.break_even = draft / plain if choice and pays and draft and plain else 0.0
+        last, run, since = self._side.get(size, (None, 0, 0))
+        if last != choice:
+            run, since = 0, self._samples.get((choice, size), 0)
+        self._side[size] = (choice, run + 1, since)
         key = (choice, size)
         self._streak = self._streak + 1 if self._observed == key else 1
         self._planned = key
@@ -84,12 +97,14 @@ class AdaptivePlan:
         return (tokens / draft) / (len(requests) / plain)
 
     def _probe(self, size: int, choice: bool, every: int) -> bool:
-        """`choice`, unless the other side is due to be measured again, or a probe or switch has not run
-        its `probe_len` steps yet."""
-        side, run = self._side.get(size, (None, 0))
+        """`choice`, unless the other side is due to be measured again, or the side taken last (a probe or
+        a switch) has not run `probe_len` steps and kept a step time yet (a prompt step may cut a run
+        short; after 4x `probe_len` steps it gives up)."""
+        side, run, since = self._side.get(size, (None, 0, 0))
         if side is None:
             return choice
-        if side != choice and run < self.config.probe_len:
+        measured = self._samples.get((side, size), 0) > since
+        if side != choice and (run < self.config.probe_len or not measured and run < 4 * self.config.probe_len):
             return side
         if side == choice and run >= every:
             return not side
@@ -107,9 +122,13 @@ class AdaptivePlan:
         """A pure decode step's duration. Kept only for a step the plan made that followed one of the same
         side and bucket: the first after a switch paid for the switch, and steps held back from drafting
         while prompts were pending are not the plan's."""
-        key, planned = (drafted, bucket(batch_size)), self._planned
+        planned = self._planned
+        # A step cut short by the token budget or preemption still shows what the planned side costs at
+        # this load: it is kept under the planned bucket.
+        key = planned if planned is not None and planned[0] == drafted else (drafted, bucket(batch_size))
         if planned == key and self._streak >= 2:
             self.cost[key] = _blend(self.cost.get(key), seconds, self.config.smoothing)
+            self._samples[key] = self._samples.get(key, 0) + 1
         self._observed = key if planned == key else None
         self._planned = None
 
