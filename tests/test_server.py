@@ -103,6 +103,7 @@ def test_metrics_expose_the_promised_series(server, client):
                  "specserve_time_to_first_token_seconds_bucket", "specserve_inter_token_latency_seconds_bucket"):
         assert name in text
     assert _metric(server, "specserve_generation_tokens_total") == before + 5
+    assert _metric(server, "specserve_spec_drafting") == 0  # no speculation configured
 
 
 # -- the OpenAI API ------------------------------------------------------------

@@ -30,3 +30,4 @@ def test_usage_and_metrics_report_acceptance(spec_server):
     assert _metric(spec_server, "specserve_spec_draft_tokens_total") == 12
     assert _metric(spec_server, "specserve_spec_accepted_tokens_total") == 12
     assert _metric(spec_server, "specserve_spec_acceptance_length_count") == 4
+    assert _metric(spec_server, "specserve_spec_drafting") == 1

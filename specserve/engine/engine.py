@@ -56,6 +56,8 @@ class EngineStats:
     pages_used: int
     pages_total: int
     num_preemptions: int
+    # Speculation configured and the draft plan letting decode steps draft (its last answer).
+    spec_drafting: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages, s.num_preemptions)
+        return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages, s.num_preemptions,
+                           s.draft_plan is not None and s.drafting_allowed)
 
     def _postprocess(self, batch: StepBatch, sampled: list[list[int]]) -> list[TokenDelta]:
         deltas = []

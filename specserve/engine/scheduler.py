@@ -167,6 +167,11 @@ class Scheduler:
         count = min(first.num_uncomputed_tokens, self.config.chunked_prefill_size)
         return self.allocator.pages_for(count) <= self.allocator.num_free
 
+    @property
+    def drafting_allowed(self) -> bool:
+        """The draft gate's last answer (always yes without a gate)."""
+        return self._gate_open
+
     def _gate_opens(self) -> bool:
         """Asks the gate about the decoding requests; with none, there is nothing to ask and nothing to draft."""
         decoding = [r for r in self.running if not self._awaits_last_token(r)]

@@ -17,6 +17,8 @@ class Metrics:
         self.pages_used = Gauge("specserve_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("specserve_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.preemptions = Gauge("specserve_num_preemptions", "Preemptions since start", registry=r)
+        self.spec_drafting = Gauge("specserve_spec_drafting",
+                                   "1 while speculation is configured and its plan lets decode steps draft", registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram(
@@ -38,6 +40,7 @@ class Metrics:
         self.pages_used.set(stats.pages_used)
         self.pages_total.set(stats.pages_total)
         self.preemptions.set(stats.num_preemptions)
+        self.spec_drafting.set(int(stats.spec_drafting))
 
     def on_tokens(self, count: int, ttft: float | None, itl: float | None) -> None:
         self.generation_tokens.inc(count)
