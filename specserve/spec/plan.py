@@ -17,6 +17,7 @@ A request held back from drafting drafts again after `probe_every` drafting step
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from specserve.engine.request import Request
@@ -28,7 +29,8 @@ class AdaptiveConfig:
     # Where one side wins by more than this factor, the other is measured 4x less often.
     clear_margin: float = 1.25
     probe_len: int = 2  # steps a probe lasts at least; the first after a switch is never timed
-    smoothing: float = 0.2  # weight of a new step time in the running means (acceptance: 1/8 of it)
+    window: int = 9  # step times kept per side and bucket; the cost is their lower median
+    smoothing: float = 0.025  # weight of a new acceptance length in the recent requests' mean
     prior_steps: float = 8.0  # a request's acceptance counts as this many steps at the recent mean, plus its own
 
     def __post_init__(self) -> None:
@@ -51,6 +53,7 @@ class AdaptivePlan:
         # Optimistic until measured, so that drafting is tried: half the drafts accepted.
         self.mean_accept_len = 1.0 + max_drafts / 2
         self.cost: dict[tuple[bool, int], float] = {}  # (drafts, bucket) -> seconds per step
+        self._times: dict[tuple[bool, int], deque[float]] = {}  # the latest step times, per key
         self._samples: dict[tuple[bool, int], int] = {}  # step times kept, per key
         # bucket -> the side its last steps took, how many in a row, and that side's samples when it began.
         self._side: dict[int, tuple[bool, int, int]] = {}
@@ -64,8 +67,8 @@ class AdaptivePlan:
         """Whether this pure decode step over `requests` drafts."""
         size = bucket(len(requests))
         draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
-        if draft is None or plain is None:
-            choice = draft is None  # measure what is missing, drafting first
+        if self._unmeasured(True, size) or self._unmeasured(False, size):
+            choice = self._unmeasured(True, size)  # measure what is missing, drafting first
             pays = choice
         else:
             gain = self._gain(requests, draft, plain)
@@ -83,6 +86,10 @@ class AdaptivePlan:
         self._streak = self._streak + 1 if self._observed == key else 1
         self._planned = key
         return choice
+
+    def _unmeasured(self, drafted: bool, size: int) -> bool:
+        """Fewer than two step times: the lower median of two cannot be one outlier."""
+        return self._samples.get((drafted, size), 0) < 2
 
     def num_drafts(self, request: Request) -> int:
         """A request drafts while it gains on its own, and now and then to learn whether it would again."""
@@ -127,7 +134,11 @@ class AdaptivePlan:
         # this load: it is kept under the planned bucket.
         key = planned if planned is not None and planned[0] == drafted else (drafted, bucket(batch_size))
         if planned == key and self._streak >= 2:
-            self.cost[key] = _blend(self.cost.get(key), seconds, self.config.smoothing)
+            times = self._times.setdefault(key, deque(maxlen=self.config.window))
+            times.append(seconds)
+            # Outliers only ever run long (a kernel built on first use, a collection, a busy machine), so the
+            # lower median: one slow step must not stop drafting until the next probe.
+            self.cost[key] = sorted(times)[(len(times) - 1) // 2]
             self._samples[key] = self._samples.get(key, 0) + 1
         self._observed = key if planned == key else None
         self._planned = None
@@ -140,7 +151,7 @@ class AdaptivePlan:
         """Called after the request's counters took this step in."""
         if drafted > 0:
             request.steps_since_drafting = 0
-            self.mean_accept_len = _blend(self.mean_accept_len, 1.0 + accepted, self.config.smoothing / 8)
+            self.mean_accept_len = _blend(self.mean_accept_len, 1.0 + accepted, self.config.smoothing)
 
 
 def _blend(old: float | None, new: float, weight: float) -> float:
