@@ -1,0 +1,109 @@
+"""No speculation, a chain that drafts in every step, and the same chain under the adaptive plan, side by side
+in one process: the embedded SmolLM2 with its bundled head, waves of C MT-Bench first turns (greedy,
+`ignore_eos`, 64 tokens each).
+
+The three engines take turns within each wave size, and the order flips every round, so a slow spell of a
+shared machine lands on all of them alike (sequential runs of `specserve bench` on the 2-core CPU drifted by
+up to 25 % within minutes). The adaptive engine keeps what it measured from one wave to the next, as a
+server does. Writes JSON and a PNG to benchmarks/results.
+
+    python benchmarks/adaptive_cpu.py [--levels 1 8 32 64] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def build(spec):
+    from specserve.config import EngineConfig
+    from specserve.llm import LLM
+
+    return LLM(config=EngineConfig(device="cpu", spec=spec), progress=False)
+
+
+def run_waves(llm, prompts, size: int, params) -> tuple[int, float, int, int]:
+    """Output tokens, seconds, speculative steps and accepted drafts over waves of `size` prompts."""
+    tokens = steps = accepted = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), size):
+        for out in llm.generate(prompts[i:i + size], params):
+            tokens += len(out.token_ids)
+            steps += out.num_spec_steps
+            accepted += out.num_accepted_tokens
+    return tokens, time.perf_counter() - start, steps, accepted
+
+
+def main() -> None:
+    from specserve import draft_heads
+    from specserve.bench.datasets import mt_bench_first_turns
+    from specserve.bench.decode import hardware_info
+    from specserve.config import SpecConfig
+    from specserve.sampling_params import SamplingParams
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", default=str(RESULTS / "adaptive_cpu_interleaved.json"))
+    args = parser.parse_args()
+
+    head = str(draft_heads.SMOLLM2_HEAD)
+    steps = draft_heads.SMOLLM2_DEFAULT_STEPS
+    engines = {"no speculation": build(SpecConfig()),
+               f"chain {steps}, every step": build(SpecConfig("EAGLE3", head, steps)),
+               f"chain {steps}, adaptive": build(SpecConfig("EAGLE3", head, steps, adaptive=True))}
+    first = next(iter(engines.values()))
+    prompts = [first.chat_prompt(p.messages) for p in mt_bench_first_turns()]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for llm in engines.values():  # warm-up: kernels built on first use, costs first measured
+        run_waves(llm, prompts[:2], 2, params)
+    results = []
+    for size in args.levels:
+        batch = prompts[: max(8, min(64, 4 * size))]
+        totals = {name: [0, 0.0, 0, 0] for name in engines}
+        for round_ in range(args.rounds):
+            order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
+            for name in order:
+                figures = run_waves(engines[name], batch, size, params)
+                totals[name] = [a + b for a, b in zip(totals[name], figures)]
+        base = totals["no speculation"][0] / totals["no speculation"][1]
+        for name, (tokens, seconds, spec_steps, accepted) in totals.items():
+            row = {"concurrency": size, "setting": name, "prompts": len(batch), "output_tokens": tokens,
+                   "output_tok_s": tokens / seconds, "vs_no_speculation": tokens / seconds / base,
+                   "spec_steps": spec_steps,
+                   "mean_acceptance_length": 1 + accepted / spec_steps if spec_steps else None}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    record = {"benchmark": "adaptive_cpu", "dataset": "mt-bench first turns", "max_tokens": args.max_tokens,
+              "rounds": args.rounds, "hardware": hardware_info(), "results": results}
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    plot(results, Path(args.out).with_suffix(".png"))
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["setting"] for r in results):
+        rows = [r for r in results if r["setting"] == name]
+        ax.plot([r["concurrency"] for r in rows], [r["vs_no_speculation"] for r in rows], marker="o", label=name)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("wave size (concurrent requests)")
+    ax.set_ylabel("output tok/s ÷ no speculation")
+    ax.set_title("SmolLM2-135M + bundled head, 2-core CPU, interleaved")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
