@@ -72,6 +72,19 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def random_eagle3_head(tiny_checkpoint, tmp_path_factory):
+    """A random EAGLE-3 head for the sharded tiny Llama (almost nothing it drafts is accepted)."""
+    import torch
+
+    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+
+    head_dir = tmp_path_factory.mktemp("eagle3-random")
+    target = read_model_config(tiny_checkpoint("llama", True))
+    save_eagle3_head(load_eagle3_head(None, target, torch.float32, torch.device("cpu"), 512, seed=7), head_dir)
+    return head_dir
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """The embedded SmolLM2-135M-Instruct, converted from its GGUF once per test session."""
     from specserve.models.gguf_convert import cached_conversion, find_embedded_gguf

@@ -40,9 +40,9 @@ def _engine_greedy(config: EngineConfig, prompts: list[list[int]]):
     return outputs, engine
 
 
-def run_staggered(engine, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+def run_staggered(engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], int]:
     """Feeds prompt i at step ARRIVAL_STEPS[i]; returns the greedy outputs and the number of engine steps."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     step = 0
     while step <= max(ARRIVAL_STEPS) or engine.has_work():

@@ -24,18 +24,13 @@ def unrelated_draft(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_checkpoint, tmp_path_factory):
+def drafts(tiny_checkpoint, random_eagle3_head, tmp_path_factory):
     """The three drafts the greedy check runs with: a random EAGLE-3 head (almost nothing accepted), a
     copy of the target (almost everything), and a noisy copy of the target (in between)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
-
     target = tiny_checkpoint("llama", True)
-    head_dir = tmp_path_factory.mktemp("eagle3-random")
-    head = load_eagle3_head(None, read_model_config(target), torch.float32, torch.device("cpu"), 512, seed=7)
-    save_eagle3_head(head, head_dir)
     noisy_dir = tmp_path_factory.mktemp("draft-noisy")
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
@@ -44,7 +39,7 @@ def drafts(tiny_checkpoint, tmp_path_factory):
             param.add_(torch.randn(param.shape, generator=generator) * param.std() * 0.05)
     model.save_pretrained(noisy_dir)
     return {
-        "eagle3-random": ("EAGLE3", head_dir),
+        "eagle3-random": ("EAGLE3", random_eagle3_head),
         "copy": ("DRAFT_MODEL", target),
         "noisy-copy": ("DRAFT_MODEL", noisy_dir),
     }

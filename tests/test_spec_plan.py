@@ -15,7 +15,7 @@ from specserve.engine.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.spec.plan import AdaptivePlan, bucket
 
-from test_greedy_vs_hf import _prompts, _tight_config
+from test_greedy_vs_hf import _prompts, _tight_config, run_staggered
 
 
 def _requests(n: int) -> list[Request]:
@@ -119,51 +119,37 @@ def test_a_step_after_a_switch_is_not_timed():
     assert (False, 2) not in plan.cost
 
 
-@pytest.fixture(scope="module")
-def random_head(tiny_checkpoint, tmp_path_factory):
-    import torch
+def _count_drafting_steps(engine) -> list[int]:
+    """Wraps engine.step; the list holds how many steps drafted for some request."""
+    counted, step = [0], engine.step
 
-    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+    def counting():
+        deltas = step()
+        counted[0] += any(d.step_accepted is not None for d in deltas)
+        return deltas
 
-    target = tiny_checkpoint("llama", True)
-    head_dir = tmp_path_factory.mktemp("eagle3-random-plan")
-    head = load_eagle3_head(None, read_model_config(target), torch.float32, torch.device("cpu"), 512, seed=7)
-    save_eagle3_head(head, head_dir)
-    return target, head_dir
-
-
-def _greedy_run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int, int]:
-    """Prompts arrive two per step; returns the outputs, the engine steps and the steps that drafted."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outputs = {str(i): [] for i in range(len(prompts))}
-    steps = spec_steps = 0
-    while steps * 2 < len(prompts) or engine.has_work():
-        for i in range(2 * steps, min(2 * steps + 2, len(prompts))):
-            engine.add_request(str(i), prompts[i], params)
-        deltas = engine.step()
-        for delta in deltas:
-            outputs[delta.request_id] += delta.new_token_ids
-        steps += 1
-        spec_steps += any(d.step_accepted is not None for d in deltas)
-    return [outputs[str(i)] for i in range(len(prompts))], steps, spec_steps
+    engine.step = counting
+    return counted
 
 
 @pytest.mark.parametrize("draft", ["random-eagle3", "target-itself"])
-def test_engine_output_is_unchanged_and_useless_drafts_stop(random_head, draft):
+def test_engine_output_is_unchanged_and_useless_drafts_stop(tiny_checkpoint, random_eagle3_head, draft):
     """Greedy output with the plan equals output without speculation while requests arrive and finish, and no
     page leaks. With a random head (nothing accepted) drafting soon stops; with the target as its own draft
     (everything accepted) it goes on, given step costs where that pays."""
-    target, head_dir = random_head
-    spec = (SpecConfig("EAGLE3", str(head_dir), 3, adaptive=True) if draft == "random-eagle3"
+    target = tiny_checkpoint("llama", True)
+    spec = (SpecConfig("EAGLE3", str(random_eagle3_head), 3, adaptive=True) if draft == "random-eagle3"
             else SpecConfig("DRAFT_MODEL", str(target), 3, adaptive=True))
     prompts = _prompts(512, seed=5)
     plain, _ = build_engine_core(_tight_config(str(target), 4000), progress=False)
-    expected, plain_steps, _ = _greedy_run(plain, prompts, max_tokens=120)
+    expected, plain_steps = run_staggered(plain, prompts, max_tokens=120)
     engine, _ = build_engine_core(replace(_tight_config(str(target), 4000), spec=spec), progress=False)
     # Step times from a cost model, not this machine's clock: a drafting step costs 1.3 plain ones.
     observe = engine.observer.observe_step
     engine.observer.observe_step = lambda drafted, size, seconds: observe(drafted, size, 1.3 if drafted else 1.0)
-    outputs, steps, spec_steps = _greedy_run(engine, prompts, max_tokens=120)
+    drafting_steps = _count_drafting_steps(engine)
+    outputs, steps = run_staggered(engine, prompts, max_tokens=120)
+    spec_steps = drafting_steps[0]
     assert outputs == expected
     assert engine.scheduler.allocator.num_used == 0
     if draft == "random-eagle3":

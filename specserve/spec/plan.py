@@ -67,17 +67,17 @@ class AdaptivePlan:
         """Whether this pure decode step over `requests` drafts."""
         size = bucket(len(requests))
         draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
+        # A step that drafts to measure (not because it pays) lets every request draft (break-even 0):
+        # otherwise requests below the break-even would draft nothing, and nothing would be measured.
+        self.break_even = 0.0
         if self._unmeasured(True, size) or self._unmeasured(False, size):
             choice = self._unmeasured(True, size)  # measure what is missing, drafting first
-            pays = choice
         else:
-            gain = self._gain(requests, draft, plain)
-            pays = gain > 1
+            gain = self._gain(requests, draft / plain)
             clear = max(gain, 1 / gain) > self.config.clear_margin
-            choice = self._probe(size, pays, self.config.probe_every * (4 if clear else 1))
-        # A step that drafts to measure (not because it pays) lets every request draft: otherwise requests
-        # below the break-even would draft nothing, and nothing would be measured.
-        self.break_even = draft / plain if choice and pays and draft and plain else 0.0
+            choice = self._probe(size, gain > 1, self.config.probe_every * (4 if clear else 1))
+            if choice and gain > 1:
+                self.break_even = draft / plain
         last, run, since = self._side.get(size, (None, 0, 0))
         if last != choice:
             run, since = 0, self._samples.get((choice, size), 0)
@@ -98,10 +98,11 @@ class AdaptivePlan:
             return self.max_drafts
         return 0
 
-    def _gain(self, requests: list[Request], draft: float, plain: float) -> float:
-        """Tokens per second of a drafting step over a plain one's."""
-        tokens = sum(self._accept_len(r) if self._accept_len(r) > draft / plain else 1.0 for r in requests)
-        return (tokens / draft) / (len(requests) / plain)
+    def _gain(self, requests: list[Request], break_even: float) -> float:
+        """Tokens per second of a drafting step over a plain one's, whose costs stand at `break_even`."""
+        lengths = (self._accept_len(r) for r in requests)
+        tokens = sum(length if length > break_even else 1.0 for length in lengths)
+        return tokens / (len(requests) * break_even)
 
     def _probe(self, size: int, choice: bool, every: int) -> bool:
         """`choice`, unless the other side is due to be measured again, or the side taken last (a probe or
@@ -151,8 +152,5 @@ class AdaptivePlan:
         """Called after the request's counters took this step in."""
         if drafted > 0:
             request.steps_since_drafting = 0
-            self.mean_accept_len = _blend(self.mean_accept_len, 1.0 + accepted, self.config.smoothing)
-
-
-def _blend(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+            weight = self.config.smoothing
+            self.mean_accept_len = (1 - weight) * self.mean_accept_len + weight * (1.0 + accepted)
