@@ -241,3 +241,21 @@ def test_one_slow_step_does_not_stop_drafting():
     slow = iter([1000.0])
     _, share = _drive(plan, requests, PLAIN, lambda b: next(slow, DRAFT(b)), lambda r: 3.0, steps=200)
     assert share > 0.95
+
+
+def test_a_lone_request_that_started_badly_is_tried_again_soon():
+    """At batch 1 the gate is the request's own verdict. A request whose first drafts fail stops drafting; it
+    is due again after `probe_every` steps, counted at the recent requests' mean, not after the step-level
+    probe (4x as long where plain decode wins clearly)."""
+    plan = AdaptivePlan(max_drafts=3)
+    plain, draft = (lambda b: 10.0), (lambda b: 13.0)  # break-even 1.3: a clear win for plain at tau 1
+    _drive(plan, _requests(1), plain, draft, lambda r: 3.0, steps=200)  # earlier requests accepted well
+    late_starter = _requests(1)
+    drafted = []
+    for step in range(400):  # its text is hard to predict for 40 steps, easy from then on
+        drafted.append(_drive(plan, late_starter, plain, draft, lambda r: 1.0 if step < 40 else 3.0, steps=1,
+                              seed=step)[1])
+    pauses = "".join("1" if d else "0" for d in drafted).strip("0").split("1")
+    longest_pause = max(len(p) for p in pauses)
+    assert 0 < longest_pause <= plan.config.probe_every + 1, longest_pause
+    assert sum(drafted[200:]) >= 200 - 2 * plan.config.probe_len  # then drafts on, but for a probe of plain steps

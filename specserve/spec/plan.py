@@ -13,7 +13,9 @@ requests' mean while it has drafted little. Until both costs of a bucket are kno
 The side not in use goes stale, so after `probe_every` steps of one side (4x as many where one side wins
 clearly) the other runs for at least `probe_len` steps, until one of them is timed: the first step after a
 switch is not, since it also paid for the switch (under overlap scheduling it waited for the step in flight).
-A request held back from drafting drafts again after `probe_every` drafting steps without it.
+A request held back from drafting is due to draft again after `probe_every` pure decode steps without
+drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
+request that started badly is re-tried, while one due request among many does not open the gate alone.
 """
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ class AdaptivePlan:
     # -- planning ---------------------------------------------------------
     def step_drafts(self, requests: list[Request]) -> bool:
         """Whether this pure decode step over `requests` drafts."""
+        for request in requests:
+            request.steps_since_drafting += 1
         size = bucket(len(requests))
         draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
         # A step that drafts to measure (not because it pays) lets every request draft (break-even 0):
@@ -93,14 +97,16 @@ class AdaptivePlan:
 
     def num_drafts(self, request: Request) -> int:
         """A request drafts while it gains on its own, and now and then to learn whether it would again."""
-        request.steps_since_drafting += 1
-        if self._accept_len(request) > self.break_even or request.steps_since_drafting > self.config.probe_every:
+        if self._accept_len(request) > self.break_even or self._due(request):
             return self.max_drafts
         return 0
 
+    def _due(self, request: Request) -> bool:
+        return request.steps_since_drafting > self.config.probe_every
+
     def _gain(self, requests: list[Request], break_even: float) -> float:
         """Tokens per second of a drafting step over a plain one's, whose costs stand at `break_even`."""
-        lengths = (self._accept_len(r) for r in requests)
+        lengths = (self.mean_accept_len if self._due(r) else self._accept_len(r) for r in requests)
         tokens = sum(length if length > break_even else 1.0 for length in lengths)
         return tokens / (len(requests) * break_even)
 
