@@ -7,8 +7,9 @@
 # specsweep: the offline sweep again with an EAGLE-3 chain (3 drafts, simulated tau 3) and a tree (top-4, 5 levels,
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
-# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [tax] [profile]
-#        [smol] [gemv_ab] [idle]
+# adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive).
+# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep]
+#        [tax] [profile] [smol] [gemv_ab] [idle]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,8 +59,27 @@ if want specsweep || want chainsweep || want treesweep; then
   fi
   rm -f "$OUT"/chain_c*.* "$OUT"/tree_c*.* "$OUT"/sweep_c*.png
 fi
+if want adaptsweep; then
+  # The same chain and tree sweeps with the adaptive draft plan (spec/plan.py) deciding per step and request.
+  model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
+         --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
+         --ignore-eos --quiet --speculative-algorithm EAGLE3 --speculative-adaptive)
+  chain=(--speculative-num-steps 3 --speculative-simulate-accept-len 3.0
+         --label "EAGLE-3 chain 3 adaptive (simulated tau 3)")
+  tree=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
+        --speculative-simulate-accept-len 4.0 --label "EAGLE-3 tree 4/5/16 adaptive (simulated tau 4)")
+  for kind in chain tree; do
+    declare -n args=$kind
+    python3 -m specserve.cli bench "${model[@]}" "${args[@]}" --concurrency 1,2,5 --num-prompts 8 \
+      --out "$OUT/${kind}_c1.jsonl"
+    python3 -m specserve.cli bench "${model[@]}" "${args[@]}" --concurrency 10,30,70,100,250 \
+      --out "$OUT/${kind}_c10.jsonl"
+    cat "$OUT/${kind}_c1.jsonl" "$OUT/${kind}_c10.jsonl" > "$OUT/offline_8b_${kind}_adaptive.jsonl"
+    rm -f "$OUT/${kind}"_c1*.*
+  done
+fi
 if want tax; then
-  python3 benchmarks/spec_off_tax.py --out "$OUT/spec_off_tax_h200.json"
+  python3 benchmarks/spec_off_tax.py --profile --host-profile --out "$OUT/spec_off_tax_h200.json"
 fi
 if want profile; then
   python3 benchmarks/profile_gpu_step.py --out "$OUT/profile_gpu_step_h200.json" > "$OUT/profile.log" 2>&1

@@ -90,15 +90,15 @@ def gemv_bandwidth(model) -> list[dict]:
 
     gb = lambda w, us: round(w.numel() * w.element_size() / us / 1e3)  # noqa: E731
     for name, weight in shapes.items():
-        for m in (1, 4):
+        for m in (1, 4, 16):
             x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device="cuda")
             silu_mul = name == "down"  # as the model calls it: SiLU-and-multiply folded in
             if silu_mul:
                 x = torch.randn(m, 2 * weight.shape[1], dtype=weight.dtype, device="cuda")
-            # A fresh chooser, so this x (m rows) is what gets timed: the engine's decided for 1 and 2 rows.
+            # A fresh chooser, so this x (m rows) is what gets timed.
             choice = triton_gemv.Choice()
             tile = choice.tile(x, weight, silu_mul)  # times cuBLAS and every tile in a CUDA graph
-            times = choice.timings[(tuple(weight.shape), weight.dtype, m == 1, silu_mul)]
+            times = choice.timings[choice.key(x, weight, silu_mul)]
             best = min(v for k, v in times.items() if k != "cublas")
             rows.append({"what": f"{name} {tuple(weight.shape)} M={m}" + (" +silu_mul" if silu_mul else ""),
                          "cublas_us": round(times["cublas"], 2), "cublas_gb_s": gb(weight, times["cublas"]),

@@ -10,7 +10,9 @@ so the host's share of a step shows.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from dataclasses import replace
 
@@ -87,6 +89,16 @@ def decode_run(engine, batch: int, prompt_len: int, output_len: int) -> dict:
             "replay_device_ms": sum(replay_ms) / max(len(replay_ms), 1), "replays": len(replay_ms)}
 
 
+def host_top(profiler: cProfile.Profile, limit: int = 25) -> list[dict]:
+    """The functions the host spent most of its own time in (the profiler's overhead inflates them all)."""
+    stats = pstats.Stats(profiler)
+    rows = [{"function": f"{file.rsplit('/', 1)[-1]}:{line} {func}", "calls": calls, "self_ms": round(tt * 1e3, 2),
+             "cumulative_ms": round(ct * 1e3, 2)}
+            for (file, line, func), (_, calls, tt, ct, _) in stats.stats.items()]
+    rows.sort(key=lambda r: -r["self_ms"])
+    return rows[:limit]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -96,6 +108,8 @@ def main() -> None:
                    help="which rows to run (default: all); the first must be plain")
     p.add_argument("--profile", action="store_true",
                    help="after each setup's batch-1 run, list the kernels of its last step's graph (torch.profiler)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="profile the host (cProfile) in each setup's batch-1 run and keep its top functions")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
@@ -106,8 +120,14 @@ def main() -> None:
             engine.scheduler.draft_plan = lambda request: plan
         for batch in args.batch_sizes:
             decode_run(engine, batch, args.prompt_len, 8)  # warm-up
+            profiler = cProfile.Profile() if args.host_profile and batch == 1 else None
+            if profiler is not None:
+                profiler.enable()
             rows.append({"setup": name, "batch_size": batch,
                          **decode_run(engine, batch, args.prompt_len, args.output_len)})
+            if profiler is not None:
+                profiler.disable()
+                rows[-1]["host_functions"] = host_top(profiler)
             last = TimedGraph.last_spec if spec.algorithm else TimedGraph.last_plain
             if args.profile and batch == 1 and last is not None:
                 # Replaying the last step again recomputes it in place: same shapes, same kernels.

@@ -21,14 +21,14 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _hf_greedy(model_dir, prompts: list[list[int]], device: str = "cpu") -> list[list[int]]:
+def _hf_greedy(model_dir, prompts: list[list[int]], device: str = "cpu", max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     outs = []
     for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt], device=device), max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, do_sample=False,
+        ids = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
         outs.append(ids[0, len(prompt):].tolist())
     return outs

@@ -78,7 +78,11 @@ class SpecGraphs:
         shapes = self._buffer_shapes()
         total = sum(int(np.prod(shape)) for shape, _ in shapes.values())
         self._flat = torch.zeros(total, dtype=torch.long, device=self.device)
-        self._host = np.zeros(total, np.int64)
+        # On a GPU the host side lives in pinned memory, written in place each step: a fresh pinned copy per
+        # step cost host time in the step the host waits on (drafting steps are read back before the next).
+        pinned = self.device.type == "cuda"
+        self._host_tensor = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
+        self._host = self._host_tensor.numpy()
         self._host_views, self._batch_axis, offset = {}, {}, 0
         for name, (shape, axis) in shapes.items():
             size = int(np.prod(shape))
@@ -91,9 +95,12 @@ class SpecGraphs:
         for name, view in self._host_views.items():
             if name.endswith("slots"):
                 view[...] = self.pad_slot
-        self._flat.copy_(torch.from_numpy(self._host))
+        self._flat.copy_(self._host_tensor)
         self.tables = {n: torch.zeros(self.max_bs, -(-n // self.page_size), dtype=torch.int32, device=self.device)
                        for n in self.context_lens}
+        self._host_tables = {n: torch.zeros(t.shape, dtype=torch.int32, pin_memory=pinned)
+                             for n, t in self.tables.items()}
+        self._uploaded = torch.cuda.Event() if pinned else None  # the last upload, done before a rewrite
 
     def _describe_catch_up(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """What every program's rows begin with: each sequence's page table (`width` pages) and the head's
@@ -158,14 +165,19 @@ class SpecGraphs:
         return [t[: a + 1] for t, a in zip(tokens, accepted)]
 
     def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # done already (the last step was read back); this only makes sure
         # Only the first bs rows are written: a graph of batch bucket bs reads no others.
         for name, view in self._host_views.items():
             if name in rows:
                 (view[:, :bs] if self._batch_axis[name] == 1 else view[:bs])[...] = rows[name]
-        pinned = self.device.type == "cuda"
-        for source, target in ((torch.from_numpy(self._host), self._flat),
-                               (torch.from_numpy(tables), self.tables[n][:bs])):
-            target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
+        host_tables = self._host_tables[n][:bs]
+        host_tables.numpy()[...] = tables
+        pinned = self._uploaded is not None
+        self._flat.copy_(self._host_tensor, non_blocking=pinned)
+        self.tables[n][:bs].copy_(host_tables, non_blocking=pinned)
+        if pinned:
+            self._uploaded.record()
 
     @torch.inference_mode()
     def _capture(self, progress: bool, desc: str) -> None:
@@ -173,8 +185,12 @@ class SpecGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         forced = self.forced if self.simulate_accept_len is not None else None
-        with torch.cuda.stream(stream):  # compile every kernel outside capture
-            for bs, n in sorted({(1, n) for n in self.context_lens} | {(self.max_bs, self.context_lens[-1])}) * 2:
+        # Compile every kernel outside capture, and let the GEMV choice time the head's weights at each row
+        # count a small batch gives them (the target's were timed by the decode graphs' warm-up).
+        warm = {(1, n) for n in self.context_lens} | {(self.max_bs, self.context_lens[-1])}
+        warm |= {(bs, self.context_lens[0]) for bs in self.batch_sizes if bs * self.width <= 16}
+        with torch.cuda.stream(stream):
+            for bs, n in sorted(warm) * 2:
                 self._forward(bs, n, self._metas(bs, n, None, None), None if forced is None else forced[:bs])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None

@@ -89,12 +89,15 @@ class DecodeGraphs:
         shapes = [(bs, n) for n in reversed(self.context_lens) for bs in reversed(self.batch_sizes)]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Warm up outside capture: library handles, the GEMV choice for one row and for several (a batch of 1
-        # and of 2; timing is impossible during capture, where an undecided shape takes cuBLAS) and the
-        # attention kernels of each context bucket. Triton variants of other batch sizes (the slice count
-        # depends on both) compile during capture, which Triton allows: compiling launches no device work.
+        # Warm up outside capture: library handles, the GEMV choice for each row bucket (timing is impossible
+        # during capture, where an undecided shape takes cuBLAS) and the attention kernels of each context
+        # bucket. Triton variants of other batch sizes (the slice count depends on both) compile during
+        # capture, which Triton allows: compiling launches no device work.
+        from specserve.layers.triton_gemv import ROW_BUCKETS
+
         warm_shapes = {(1, n) for n in self.context_lens}
-        warm_shapes |= {(min(2, self.max_bs), self.context_lens[0]), (self.max_bs, self.context_lens[-1])}
+        warm_shapes |= {(min(rows, self.max_bs), self.context_lens[0]) for rows in ROW_BUCKETS}
+        warm_shapes.add((self.max_bs, self.context_lens[-1]))
         with torch.cuda.stream(stream):
             for bs, n in sorted(warm_shapes) * 2:
                 self._forward(bs, n)

@@ -132,17 +132,28 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tens
     return F.linear(x, weight)
 
 
+# Row counts are decided per bucket: cuBLAS picks other kernels as rows grow (it won at 16 rows of an 8B
+# Llama's qkv and lost at 4), so one decision for every count above one left verify steps of a short chain
+# on cuBLAS.
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+
+
 class Choice:
-    """Per (weight shape, dtype, one row or several, SiLU-and-multiply or not): the fastest Tile, or None
-    where cuBLAS won. A call during CUDA-graph capture cannot time anything, so an undecided shape takes
-    cuBLAS there (the graphs' warm-up runs decide the shapes they use before capturing)."""
+    """Per (weight shape, dtype, row bucket, SiLU-and-multiply or not): the fastest Tile, or None where
+    cuBLAS won. A call during CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS
+    there (the graphs' warm-up runs decide the shapes they use before capturing)."""
 
     def __init__(self) -> None:
         self.best: dict[tuple, Tile | None] = {}
         self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
 
+    @staticmethod
+    def key(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> tuple:
+        rows = next(b for b in ROW_BUCKETS if x.shape[0] <= b)
+        return tuple(weight.shape), weight.dtype, rows, silu_mul
+
     def tile(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Tile | None:
-        key = (tuple(weight.shape), weight.dtype, x.shape[0] == 1, silu_mul)
+        key = self.key(x, weight, silu_mul)
         if key not in self.best:
             if torch.cuda.is_current_stream_capturing():
                 return None
