@@ -67,7 +67,7 @@ class SpecGraphs:
         self.num_runs = 0
         self._allocate()
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # per graph: its packed tokens and counts
 
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """Per-step input name -> (shape at the largest batch, which axis is the batch)."""
@@ -157,12 +157,12 @@ class SpecGraphs:
         self._upload(rows, tables, bs, n)
         if (bs, n) in self.graphs:
             self.graphs[(bs, n)].replay()
-            tokens, accepted = self.outputs[(bs, n)]
+            packed = self.outputs[(bs, n)]
         else:
-            tokens, accepted = self._forward(bs, n, self._metas(bs, n, rows, tables), forced)
+            packed = _packed(*self._forward(bs, n, self._metas(bs, n, rows, tables), forced))
         self.num_runs += 1
-        tokens, accepted = tokens[:b].tolist(), accepted[:b].tolist()  # the step's one read-back
-        return [t[: a + 1] for t, a in zip(tokens, accepted)]
+        rows = packed[:b].tolist()  # the step's one read-back: each row's tokens, then its accepted count
+        return [row[: row[-1] + 1] for row in rows]
 
     def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
         if self._uploaded is not None:
@@ -197,8 +197,8 @@ class SpecGraphs:
         for bs, n in tqdm(shapes, desc=desc, disable=not progress, leave=False):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[(bs, n)] = self._forward(bs, n, self._metas(bs, n, None, None),
-                                                      None if forced is None else forced[:bs])
+                self.outputs[(bs, n)] = _packed(*self._forward(bs, n, self._metas(bs, n, None, None),
+                                                               None if forced is None else forced[:bs]))
             pool = graph.pool()
             self.graphs[(bs, n)] = graph
         torch.cuda.synchronize(self.device)
@@ -309,6 +309,11 @@ class ChainGraphs(SpecGraphs):
         drafter.observe(captured, meta.slot_mapping)
         best = target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
         return accept_chain(drafts, best, forced, self.limit[:bs])
+
+
+def _packed(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """[B, width + 1]: each row's tokens, then its accepted draft count, so one copy reads both back."""
+    return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], dim=1)
 
 
 def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:

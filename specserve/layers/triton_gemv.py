@@ -15,6 +15,7 @@ none of it is served from L2 (decode reads each weight once a step).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,9 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tens
 # Llama's qkv and lost at 4), so one decision for every count above one left verify steps of a short chain
 # on cuBLAS.
 ROW_BUCKETS = (1, 2, 4, 8, 16)
+# cuBLAS must beat the best tile by this factor to be chosen: timed alone it may win by a hair, but in a step
+# it also breaks the chain of kernels launched early (PDL), which costs the next kernel its head start.
+CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
 
 
 class Choice:
@@ -168,7 +172,8 @@ class Choice:
         times = {name: graph_time(fn, copies) * 1e3 for name, fn in candidates.items()}
         self.timings[key] = times
         del copies
-        return tiles.get(min(times, key=times.get))  # None: cuBLAS won
+        best_tile = min((name for name in times if name != "cublas"), key=times.get)
+        return None if times["cublas"] * CUBLAS_MARGIN < times[best_tile] else tiles[best_tile]  # None: cuBLAS
 
 
 def _nbytes(t: torch.Tensor) -> int:
