@@ -112,3 +112,38 @@ def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny
     assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
     assert general and not any(general)
     assert outputs == _hf_greedy(path, prompts)
+
+
+@pytest.mark.parametrize("shape,overlap", [("chain", False), ("chain", True), ("tree", True)])
+def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_path, tiny_checkpoint, monkeypatch,
+                                                                          shape, overlap):
+    """While the draft plan keeps steps from drafting, the head does not follow the decoders; the first step
+    that drafts again finds it more tokens behind than the program's catch-up rows. The head catches up on
+    the backlog first, so that step is still the program (never the general search), and output stays HF's."""
+    from test_tree_graphs import _tree_engine
+
+    if shape == "chain":
+        engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
+    else:
+        engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
+    engine.overlap = overlap
+    calls = [0]
+
+    def gate(requests):  # six pure decode steps shut, six open, and so on
+        calls[0] += 1
+        return (calls[0] // 6) % 2 == 1
+
+    engine.scheduler.draft_gate = gate
+    proposer, general = engine.runner.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
+    program = engine.runner.spec_graphs
+    backlogs, catch_up_backlog = [], program.catch_up_backlog
+    program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
+    prompts = _prompts(512, seed=4)
+    outputs, _ = run_staggered(engine, prompts, max_tokens=40)
+    assert program.num_runs > 10 and len(backlogs) > 2
+    assert not any(general)
+    assert outputs == _hf_greedy(path, prompts, max_tokens=40)
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages

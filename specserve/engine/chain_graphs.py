@@ -139,6 +139,27 @@ class SpecGraphs:
                 return False
         return max(s.start_pos for s in seqs) + self.width <= self.context_lens[-1]
 
+    def without_backlog(self, batch: StepBatch) -> StepBatch:
+        """The batch with each head catch-up cut to its last `width` rows: what the program takes once the
+        head has caught up on the rest (`catch_up_backlog`)."""
+        w = self.width
+        seqs = [replace(s, draft_start_pos=s.draft_start_pos + len(s.draft_catchup_ids) - w,
+                        draft_catchup_ids=s.draft_catchup_ids[-w:]) if len(eagle3_catch_up(s)[0]) > w else s
+                for s in batch.seqs]
+        return StepBatch(seqs, batch.page_size)
+
+    @torch.inference_mode()
+    def catch_up_backlog(self, batch: StepBatch) -> StepBatch:
+        """After the draft plan held drafting back, the head is more tokens behind than the program's catch-up
+        rows. It catches up on all but the last `width` eagerly (one head pass, as over a prompt chunk), so
+        the step still runs as the program instead of the general search. Returns the batch the program takes."""
+        w = self.width
+        behind = [replace(s, draft_catchup_ids=s.draft_catchup_ids[:-w]) for s in batch.seqs
+                  if len(eagle3_catch_up(s)[0]) > w]
+        if behind:
+            self.drafter.catch_up(behind, batch.page_size)
+        return self.without_backlog(batch)
+
     # -- one step ----------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> list[list[int]]:

@@ -69,10 +69,14 @@ class ModelRunner:
     def launch(self, batch: StepBatch, publish: bool = False) -> StepOutput:
         """Queues the step on the device. A step without drafts returns before its tokens are read back;
         with `publish`, it also stores them as futures that the next step's inputs may name."""
-        seqs = batch.seqs
-        if self.spec_graphs is not None and self.recorder is None and self.spec_graphs.fits(batch):
+        program = self.spec_graphs if self.recorder is None else None
+        if program is not None and not program.fits(batch) and program.fits(program.without_backlog(batch)):
+            with self.timer.phase("draft"):
+                batch = program.catch_up_backlog(batch)
+        if program is not None and program.fits(batch):
             with self.timer.phase("forward"):
-                return StepOutput(ready=self.spec_graphs.run(batch))
+                return StepOutput(ready=program.run(batch))
+        seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
         if not trees and self._graph_fits(seqs) and (self.recorder is None or self.graphs.record_layers):
