@@ -151,14 +151,37 @@ class SpecGraphs:
     @torch.inference_mode()
     def catch_up_backlog(self, batch: StepBatch) -> StepBatch:
         """After the draft plan held drafting back, the head is more tokens behind than the program's catch-up
-        rows. It catches up on all but the last `width` eagerly (one head pass, as over a prompt chunk), so
-        the step still runs as the program instead of the general search. Returns the batch the program takes."""
+        rows. It catches up on all but the last `width` first, in one eager pass, so the step still runs as
+        the program instead of the general search. Returns the batch the program takes."""
         w = self.width
         behind = [replace(s, draft_catchup_ids=s.draft_catchup_ids[:-w]) for s in batch.seqs
                   if len(eagle3_catch_up(s)[0]) > w]
         if behind:
-            self.drafter.catch_up(behind, batch.page_size)
+            self._extend_head(behind)
         return self.without_backlog(batch)
+
+    def _extend_head(self, seqs) -> None:
+        """The head over each sequence's catch-up, every row attending like a decode row, as in the program.
+        Prefill attention would do too, but on the H200 its first call for each new shape (the context grows
+        every step) took 40-1,100 ms, where this takes the decode kernel the graphs already built."""
+        ids, positions, slots = [], [], []
+        pages = max(len(s.page_ids) for s in seqs)
+        tables = []
+        for s in seqs:
+            chunk, first = eagle3_catch_up(s)
+            table = np.zeros(pages, np.int64)
+            table[: len(s.page_ids)] = s.page_ids
+            pos = np.arange(first, first + len(chunk))
+            ids.extend(chunk)
+            positions.append(pos)
+            slots.append(page_slots(table, pos, self.page_size))
+            tables.extend([table] * len(chunk))
+        to_device = lambda a, dtype=torch.long: torch.from_numpy(np.asarray(a)).to(self.device, dtype)  # noqa: E731
+        positions, slots = to_device(np.concatenate(positions)), to_device(np.concatenate(slots))
+        meta = decode_rows_meta(positions, slots, to_device(np.stack(tables), torch.int32), self.page_size,
+                                self.head.config.model.num_kv_heads)
+        drafter = self.drafter
+        self.head(self.target.embed_tokens(to_device(ids)), drafter.taps[slots], positions, meta, drafter.kv_cache)
 
     # -- one step ----------------------------------------------------------
     @torch.inference_mode()
@@ -180,10 +203,10 @@ class SpecGraphs:
             self.graphs[(bs, n)].replay()
             packed = self.outputs[(bs, n)]
         else:
-            packed = _packed(*self._forward(bs, n, self._metas(bs, n, rows, tables), forced))
+            packed = _packed(*self._forward(bs, n, self._metas(bs, n), forced))
         self.num_runs += 1
-        rows = packed[:b].tolist()  # the step's one read-back: each row's tokens, then its accepted count
-        return [row[: row[-1] + 1] for row in rows]
+        results = packed[:b].tolist()  # the step's one read-back: each row's tokens, then its accepted count
+        return [row[: row[-1] + 1] for row in results]
 
     def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
         if self._uploaded is not None:
@@ -212,13 +235,13 @@ class SpecGraphs:
         warm |= {(bs, self.context_lens[0]) for bs in self.batch_sizes if bs * self.width <= 16}
         with torch.cuda.stream(stream):
             for bs, n in sorted(warm) * 2:
-                self._forward(bs, n, self._metas(bs, n, None, None), None if forced is None else forced[:bs])
+                self._forward(bs, n, self._metas(bs, n), None if forced is None else forced[:bs])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None
         for bs, n in tqdm(shapes, desc=desc, disable=not progress, leave=False):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[(bs, n)] = _packed(*self._forward(bs, n, self._metas(bs, n, None, None),
+                self.outputs[(bs, n)] = _packed(*self._forward(bs, n, self._metas(bs, n),
                                                                None if forced is None else forced[:bs]))
             pool = graph.pool()
             self.graphs[(bs, n)] = graph
@@ -271,43 +294,20 @@ class ChainGraphs(SpecGraphs):
         return rows, tables
 
     # -- the program --------------------------------------------------------
-    def _metas(self, bs: int, n: int, rows: dict[str, np.ndarray] | None,
-               tables: np.ndarray | None) -> dict[str, AttentionMetadata | list]:
-        """Attention metadata of the three forwards: the Triton decode kernel's (static tensors, for capture)
-        on a GPU, the reference path's (built from the host rows) elsewhere."""
-        if self.device.type == "cuda":
-            from specserve.layers.triton_attention import num_splits
+    def _metas(self, bs: int, n: int) -> dict[str, AttentionMetadata | list]:
+        """Attention metadata of the three forwards, from the uploaded buffers (static tensors, for capture)."""
+        table = self.tables[n][:bs]
+        row_table = table.repeat_interleave(self.width, dim=0)
+        head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
 
-            table = self.tables[n][:bs]
-            row_table = table.repeat_interleave(self.width, dim=0)
-            head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
-
-            def decode_meta(slots, positions, tables, kv_heads):
-                return AttentionMetadata(slot_mapping=slots, block_tables=tables,
-                                         seq_lens=(positions + 1).to(torch.int32), page_size=self.page_size,
-                                         num_splits=num_splits(slots.numel(), kv_heads, n))
-            return {
-                "catch": decode_meta(self.catch_slots[:bs].view(-1), self.catch_pos[:bs].view(-1), row_table,
-                                     head_kv),
-                "extend": [decode_meta(self.extend_slots[i, :bs], self.extend_pos[i, :bs], table, head_kv)
-                           for i in range(self.k - 1)],
-                "verify": decode_meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table,
-                                      target_kv),
-            }
-        tables = [list(t) for t in tables]
-        row_tables = [t for t in tables for _ in range(self.width)]
-
-        def reference_meta(positions, tables_):
-            # Each row alone: one query at its position, attending to its sequence's slots up to there.
-            positions = [int(p) for p in positions]
-            return AttentionMetadata.build([1] * len(positions), positions, tables_, self.page_size, self.device)
-        meta = {"catch": reference_meta(rows["catch_pos"].reshape(-1), row_tables),
-                "extend": [reference_meta(rows["extend_pos"][i], tables) for i in range(self.k - 1)],
-                "verify": reference_meta(rows["verify_pos"].reshape(-1), row_tables)}
-        # Padded rows write their KV to the padding slot, whatever position they claim.
-        return {"catch": _with_slots(meta["catch"], self.catch_slots[:bs].view(-1)),
-                "extend": [_with_slots(m, self.extend_slots[i, :bs]) for i, m in enumerate(meta["extend"])],
-                "verify": _with_slots(meta["verify"], self.verify_slots[:bs].view(-1))}
+        def meta(slots, positions, tables_, kv_heads):
+            return decode_rows_meta(positions, slots, tables_, self.page_size, kv_heads, n)
+        return {
+            "catch": meta(self.catch_slots[:bs].view(-1), self.catch_pos[:bs].view(-1), row_table, head_kv),
+            "extend": [meta(self.extend_slots[i, :bs], self.extend_pos[i, :bs], table, head_kv)
+                       for i in range(self.k - 1)],
+            "verify": meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table, target_kv),
+        }
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
         head, target, drafter = self.head, self.target, self.drafter
@@ -332,6 +332,19 @@ class ChainGraphs(SpecGraphs):
         return accept_chain(drafts, best, forced, self.limit[:bs])
 
 
+def decode_rows_meta(positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, page_size: int,
+                     kv_heads: int, max_context: int | None = None) -> AttentionMetadata:
+    """Rows that each attend like a decode row: to positions [0, position] through their own page-table row,
+    writing their KV to `slots` (padded rows name the padding slot)."""
+    splits = 1
+    if slots.is_cuda:
+        from specserve.layers.triton_attention import num_splits
+
+        splits = num_splits(slots.numel(), kv_heads, max_context or tables.shape[1] * page_size)
+    return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
+                             page_size=page_size, num_splits=splits)
+
+
 def _packed(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """[B, width + 1]: each row's tokens, then its accepted draft count, so one copy reads both back."""
     return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], dim=1)
@@ -339,7 +352,3 @@ def _packed(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
 
 def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
     return pages[positions // page_size] * page_size + positions % page_size
-
-
-def _with_slots(meta: AttentionMetadata, slots: torch.Tensor) -> AttentionMetadata:
-    return replace(meta, slot_mapping=slots)

@@ -85,7 +85,7 @@ class TreeGraphs(SpecGraphs):
         rows.update(root_ids=root_ids, root_pos=root_pos, root_slots=root_slots, real_slots=real_slots, limit=limit)
         return rows, tables
 
-    def _metas(self, bs: int, n: int, rows, tables) -> dict:
+    def _metas(self, bs: int, n: int) -> dict:
         return {}  # the program builds its metadata from its own tensors, on every device
 
     # -- the program --------------------------------------------------------
