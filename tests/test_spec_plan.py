@@ -259,3 +259,15 @@ def test_a_lone_request_that_started_badly_is_tried_again_soon():
     longest_pause = max(len(p) for p in pauses)
     assert 0 < longest_pause <= plan.config.probe_every + 1, longest_pause
     assert sum(drafted[200:]) >= 200 - 2 * plan.config.probe_len  # then drafts on, but for a probe of plain steps
+
+
+def test_probes_of_a_side_that_loses_by_far_cost_at_most_their_budget():
+    """Where a drafting step costs 3.7 plain ones and yields 2 tokens (the 2-core CPU at batch 32), each probe
+    gives up ~1.7 plain steps a step; probes are spaced so that they cost about `probe_budget` of the time
+    (every 256 steps, as before, they cost 2 %)."""
+    plan = AdaptivePlan(max_drafts=3)
+    plain, draft = (lambda b: 10.0), (lambda b: 37.0)
+    got, drafted = _drive(plan, _requests(32), plain, draft, lambda r: 2.0, steps=6000)
+    best = 32 / plain(32)
+    assert got >= (1 - plan.config.probe_budget) * best, (got / best, drafted)  # every 256 steps: 0.986
+    assert 0 < drafted < 0.005
