@@ -114,6 +114,15 @@ def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny
     assert outputs == _hf_greedy(path, prompts)
 
 
+def _shut_six_open_six():
+    calls = [0]
+
+    def gate(requests):
+        calls[0] += 1
+        return (calls[0] // 6) % 2 == 1
+    return gate
+
+
 @pytest.mark.parametrize("shape,overlap", [("chain", False), ("chain", True), ("tree", True)])
 def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_path, tiny_checkpoint, monkeypatch,
                                                                           shape, overlap):
@@ -127,13 +136,7 @@ def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_pat
     else:
         engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
     engine.overlap = overlap
-    calls = [0]
-
-    def gate(requests):  # six pure decode steps shut, six open, and so on
-        calls[0] += 1
-        return (calls[0] // 6) % 2 == 1
-
-    engine.scheduler.draft_gate = gate
+    engine.scheduler.draft_gate = _shut_six_open_six()
     proposer, general = engine.runner.proposer, []
     propose = proposer.propose
     proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
@@ -147,3 +150,24 @@ def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_pat
     assert outputs == _hf_greedy(path, prompts, max_tokens=40)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
+
+
+def test_after_a_shut_spell_the_program_drafts_what_the_tree_search_drafts(smollm2_dir):
+    """The bundled head on SmolLM2, drafting in every other run of six steps: a head that caught up wrongly
+    on its backlog would draft other tokens after each shut spell, and accept other counts."""
+    from specserve import draft_heads
+
+    llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3))
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
+               ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    program = llm.engine.runner.spec_graphs
+    backlogs, catch_up_backlog = [], program.catch_up_backlog
+    program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
+    runs = []
+    for chain in (True, False):
+        llm.engine.scheduler.draft_gate = _shut_six_open_six()
+        runs.append(_generate(llm, prompts, params, chain=chain))
+    assert len(backlogs) > 2
+    assert runs[0] == runs[1]
+    assert sum(accepted for _, _, accepted in runs[0]) > 10

@@ -280,11 +280,18 @@ def test_adaptive_plan_with_graphs_and_overlap_matches_transformers(tiny_checkpo
         observe(drafted, size, (0.5 if drafting_pays else 5.0) if drafted else 1.0)
 
     engine.observer.observe_step = phased_costs
-    engine.observer.config = replace(engine.observer.config, probe_every=8)
+    engine.observer.config = replace(engine.observer.config, probe_every=8, max_probe_every=8)
+    proposer, general = engine.runner.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
+    program = engine.runner.spec_graphs
+    backlogs, catch_up_backlog = [], program.catch_up_backlog
+    program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
     plain_replays = engine.runner.graphs.num_replays
     outputs, _ = run_staggered(engine, prompts, max_tokens=40)
     assert outputs == _hf_greedy(path, prompts, "cuda", max_tokens=40)
-    assert engine.runner.spec_graphs.num_runs > 3 and engine.runner.graphs.num_replays > plain_replays + 3
+    assert program.num_runs > 3 and engine.runner.graphs.num_replays > plain_replays + 3
+    assert backlogs and not any(general)  # every drafting step after a shut spell was still the program
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
 

@@ -245,8 +245,8 @@ def test_one_slow_step_does_not_stop_drafting():
 
 def test_a_lone_request_that_started_badly_is_tried_again_soon():
     """At batch 1 the gate is the request's own verdict. A request whose first drafts fail stops drafting; it
-    is due again after `probe_every` steps, counted at the recent requests' mean, not after the step-level
-    probe (4x as long where plain decode wins clearly)."""
+    is due again after `probe_every` steps, counted at the recent requests' mean, not at the next step-level
+    probe (here ~90 steps away, by the probes' cost budget)."""
     plan = AdaptivePlan(max_drafts=3)
     plain, draft = (lambda b: 10.0), (lambda b: 13.0)  # break-even 1.3: a clear win for plain at tau 1
     _drive(plan, _requests(1), plain, draft, lambda r: 3.0, steps=200)  # earlier requests accepted well

@@ -32,6 +32,11 @@ from specserve.spec.drafters import eagle3_catch_up
 from specserve.spec.simulate import draw_num_accepted
 
 
+# Backlogs up to this many rows a sequence catch up as decode rows on a GPU; longer ones (the head left behind
+# for a long shut spell) as a prefill chunk, which reads each context once instead of once per row.
+DECODE_ROWS_BACKLOG = 64
+
+
 def accept_chain(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor | None = None,
                  limit: torch.Tensor | None = None):
     """drafts [B, k], the target's choices best [B, k + 1] -> (tokens [B, k + 1], accepted drafts [B]).
@@ -149,21 +154,25 @@ class SpecGraphs:
         return StepBatch(seqs, batch.page_size)
 
     @torch.inference_mode()
-    def catch_up_backlog(self, batch: StepBatch) -> StepBatch:
+    def catch_up_backlog(self, batch: StepBatch) -> None:
         """After the draft plan held drafting back, the head is more tokens behind than the program's catch-up
         rows. It catches up on all but the last `width` first, in one eager pass, so the step still runs as
-        the program instead of the general search. Returns the batch the program takes."""
+        the program (on `without_backlog(batch)`) instead of the general search."""
         w = self.width
         behind = [replace(s, draft_catchup_ids=s.draft_catchup_ids[:-w]) for s in batch.seqs
                   if len(eagle3_catch_up(s)[0]) > w]
-        if behind:
+        if not behind:
+            return
+        if self.device.type == "cuda" and max(len(eagle3_catch_up(s)[0]) for s in behind) <= DECODE_ROWS_BACKLOG:
             self._extend_head(behind)
-        return self.without_backlog(batch)
+        else:
+            self.drafter.catch_up(behind, batch.page_size)
 
     def _extend_head(self, seqs) -> None:
         """The head over each sequence's catch-up, every row attending like a decode row, as in the program.
-        Prefill attention would do too, but on the H200 its first call for each new shape (the context grows
-        every step) took 40-1,100 ms, where this takes the decode kernel the graphs already built."""
+        Prefill attention took 40-1,100 ms per call on the H200 for a few rows (new shapes each time: the
+        context grows every step), where this takes the decode kernel the graphs already built. Each row
+        reads its whole context, so it is kept to short backlogs."""
         ids, positions, slots = [], [], []
         pages = max(len(s.page_ids) for s in seqs)
         tables = []
@@ -229,10 +238,10 @@ class SpecGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         forced = self.forced if self.simulate_accept_len is not None else None
-        # Compile every kernel outside capture, and let the GEMV choice time the head's weights at each row
-        # count a small batch gives them (the target's were timed by the decode graphs' warm-up).
+        # Compile every kernel outside capture, and let the GEMV choice time the weights at each row bucket a
+        # small batch gives them (extends take bs rows, catch-up and verification bs * width).
         warm = {(1, n) for n in self.context_lens} | {(self.max_bs, self.context_lens[-1])}
-        warm |= {(bs, self.context_lens[0]) for bs in self.batch_sizes if bs * self.width <= 16}
+        warm |= {(bs, self.context_lens[0]) for bs in self.batch_sizes if bs <= 16}
         with torch.cuda.stream(stream):
             for bs, n in sorted(warm) * 2:
                 self._forward(bs, n, self._metas(bs, n), None if forced is None else forced[:bs])

@@ -70,12 +70,17 @@ class ModelRunner:
         """Queues the step on the device. A step without drafts returns before its tokens are read back;
         with `publish`, it also stores them as futures that the next step's inputs may name."""
         program = self.spec_graphs if self.recorder is None else None
-        if program is not None and not program.fits(batch) and program.fits(program.without_backlog(batch)):
-            with self.timer.phase("draft"):
-                batch = program.catch_up_backlog(batch)
-        if program is not None and program.fits(batch):
-            with self.timer.phase("forward"):
-                return StepOutput(ready=program.run(batch))
+        if program is not None:
+            fits = program.fits(batch)
+            if not fits and any(s.num_draft_tokens for s in batch.seqs):
+                trimmed = program.without_backlog(batch)
+                if program.fits(trimmed):
+                    with self.timer.phase("draft"):
+                        program.catch_up_backlog(batch)
+                    batch, fits = trimmed, True
+            if fits:
+                with self.timer.phase("forward"):
+                    return StepOutput(ready=program.run(batch))
         seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}

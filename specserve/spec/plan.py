@@ -108,7 +108,9 @@ class AdaptivePlan:
 
     def _gain(self, requests: list[Request], break_even: float) -> float:
         """Tokens per second of a drafting step over a plain one's, whose costs stand at `break_even`."""
-        lengths = (self.mean_accept_len if self._due(r) else self._accept_len(r) for r in requests)
+        # A due request is hoped to do as well as recent requests, or as it did itself if that was better.
+        lengths = (max(self.mean_accept_len, self._accept_len(r)) if self._due(r) else self._accept_len(r)
+                   for r in requests)
         tokens = sum(length if length > break_even else 1.0 for length in lengths)
         return tokens / (len(requests) * break_even)
 
