@@ -27,6 +27,10 @@ job() {
   out=$T/head
   if [[ -d /dev/shm/head/data ]] || { [[ ! -d $T/head/data ]] && (( $(df --output=avail -B1G /tmp | tail -1) < 75 )); }
   then out=/dev/shm/head; fi
+  # Neither may have room (a smaller machine): stop here rather than fail an hour in, mid-generation.
+  if [[ ! -d $out/data ]] && (( $(df --output=avail -B1G "$(dirname $out)" | tail -1) < ${NEED_GB:-65} )); then
+    echo "no room for the taps: $(dirname $out) has under ${NEED_GB:-65} GB free" >&2; return 1
+  fi
   ln -sfn $out $T/head_dir
   python3 -m specserve.cli train-draft --target "$model" --device cuda --dtype bfloat16 \
     --data $T/sharegpt_turns.jsonl --num-prompts ${NUM_PROMPTS:-54109} --max-tokens 256 --max-len 640 --dp-size 4 \

@@ -344,14 +344,17 @@ class ChainGraphs(SpecGraphs):
 def decode_rows_meta(positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, page_size: int,
                      kv_heads: int, max_context: int | None = None) -> AttentionMetadata:
     """Rows that each attend like a decode row: to positions [0, position] through their own page-table row,
-    writing their KV to `slots` (padded rows name the padding slot)."""
-    splits = 1
+    writing their KV to `slots` (padded rows name the padding slot). On a GPU the Triton decode kernel's form;
+    elsewhere one single-token query per row, which the CPU's short-query kernel serves (the page-table form
+    would gather every row's context apart, which made a 64-request chain step several times slower)."""
     if slots.is_cuda:
         from specserve.layers.triton_attention import num_splits
 
         splits = num_splits(slots.numel(), kv_heads, max_context or tables.shape[1] * page_size)
-    return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
-                             page_size=page_size, num_splits=splits)
+        return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
+                                 page_size=page_size, num_splits=splits)
+    meta = AttentionMetadata.build([1] * len(positions), positions.tolist(), tables.tolist(), page_size, slots.device)
+    return replace(meta, slot_mapping=slots)
 
 
 def _packed(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
