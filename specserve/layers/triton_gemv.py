@@ -133,9 +133,9 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tens
     return F.linear(x, weight)
 
 
-# Row counts are decided per bucket: cuBLAS picks other kernels as rows grow (it won at 16 rows of an 8B
-# Llama's qkv and lost at 4), so one decision for every count above one left verify steps of a short chain
-# on cuBLAS.
+# Row counts are decided per bucket, each timed at its own size: cuBLAS and the tiles scale differently with
+# the rows (an 8B Llama's SiLU-fused down projection: tiles win at one row, lose 3x at two to sixteen), so one
+# decision for every count above one, timed at two rows, need not hold for a 4-row chain verify.
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 # cuBLAS must beat the best tile by this factor to be chosen: timed alone it may win by a hair, but in a step
 # it also breaks the chain of kernels launched early (PDL), which costs the next kernel its head start.

@@ -14,8 +14,8 @@ The side not in use goes stale, so now and then the other runs for at least `pro
 them is timed: the first step after a switch is not, since it also paid for the switch (under overlap
 scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
 and as much less often as keeps their measured cost (the time the losing side gives up in `probe_len` + 1
-steps) under `probe_budget` of the time: on a 2-core CPU a drafting step of 32 requests cost 3.7 plain ones,
-and probing every 256 steps there cost ~5 % of the throughput.
+steps) under `probe_budget` of the time: on a 2-core CPU a drafting step of 32 requests costs ~4 plain ones
+and yields ~2 tokens a request, so probing every 256 steps there costs ~2 % of the throughput.
 A request held back from drafting is due to draft again after `probe_every` pure decode steps without
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
 request that started badly is re-tried, while one due request among many does not open the gate alone.
