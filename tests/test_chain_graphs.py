@@ -171,3 +171,48 @@ def test_after_a_shut_spell_the_program_drafts_what_the_tree_search_drafts(smoll
     assert len(backlogs) > 2
     assert runs[0] == runs[1]
     assert sum(accepted for _, _, accepted in runs[0]) > 10
+
+
+def test_the_backlog_pass_as_decode_rows_writes_what_a_prefill_chunk_writes(tmp_path, tiny_checkpoint, monkeypatch):
+    """The GPU's form of the backlog pass (every row attending like a decode row, through its page table) and
+    the prefill chunk the CPU uses write the same head KV. Run here with the page-table form served by the
+    PyTorch statement of the decode kernel's contract, so the rows, slots and tables it builds are checked
+    without a GPU."""
+    from specserve.engine import chain_graphs
+    from specserve.layers.attention import AttentionMetadata
+    from specserve.spec.drafters import _catch_up_meta, eagle3_catch_up
+
+    engine, _ = _random_head_engine(tmp_path, tiny_checkpoint)
+    gate = {"open": False}
+    engine.scheduler.draft_gate = lambda requests: gate["open"]
+    engine.scheduler._gate_open = False  # the head follows the prompt chunks, not the decoders
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(512, seed=4)[:3]):
+        engine.add_request(str(i), prompt, params)
+    for _ in range(24):
+        engine.step()
+    engine._read_back()
+    gate["open"] = True
+    batch = engine.scheduler.schedule()
+    program, drafter = engine.runner.spec_graphs, engine.runner.proposer.drafter
+    w = program.width
+    behind = [replace(s, draft_catchup_ids=s.draft_catchup_ids[:-w]) for s in batch.seqs]
+    assert len(behind) == 3 and min(len(s.draft_catchup_ids) for s in behind) > 10  # ~20 generated tokens each
+
+    def page_table_form(positions, slots, tables, page_size, kv_heads, max_context=None):
+        return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
+                                 page_size=page_size)
+    monkeypatch.setattr(chain_graphs, "decode_rows_meta", page_table_form)
+    before = drafter.kv_cache.clone()
+    rows_out = program._extend_head(behind)
+    as_rows = drafter.kv_cache.clone()
+    drafter.kv_cache.copy_(before)
+    # The prefill chunk, as drafter.catch_up runs it, keeping every row's output (it returns the last ones).
+    ids, positions, meta, _ = _catch_up_meta([eagle3_catch_up(s) for s in behind], behind, batch.page_size,
+                                             drafter.kv_cache.device)
+    chunk_out = drafter.head(drafter.embed(ids), drafter.taps[meta.slot_mapping], positions, meta, drafter.kv_cache)
+    torch.testing.assert_close(rows_out, chunk_out, atol=1e-4, rtol=1e-4)  # attention read the right contexts
+    slots_written = lambda cache: (cache != before).transpose(0, 2).flatten(1).any(1)  # noqa: E731  [layers, 2, slots, ...]
+    assert slots_written(as_rows).sum() > 30
+    assert torch.equal(slots_written(as_rows), slots_written(drafter.kv_cache))
+    torch.testing.assert_close(as_rows, drafter.kv_cache, atol=1e-5, rtol=1e-5)

@@ -168,8 +168,9 @@ class SpecGraphs:
         else:
             self.drafter.catch_up(behind, batch.page_size)
 
-    def _extend_head(self, seqs) -> None:
-        """The head over each sequence's catch-up, every row attending like a decode row, as in the program.
+    def _extend_head(self, seqs) -> torch.Tensor:
+        """The head over each sequence's catch-up, every row attending like a decode row, as in the program;
+        returns its output rows (the drafting state after each), in order.
         Prefill attention took 40-1,100 ms per call on the H200 for a few rows (new shapes each time: the
         context grows every step), where this takes the decode kernel the graphs already built. Each row
         reads its whole context, so it is kept to short backlogs."""
@@ -190,7 +191,8 @@ class SpecGraphs:
         meta = decode_rows_meta(positions, slots, to_device(np.stack(tables), torch.int32), self.page_size,
                                 self.head.config.model.num_kv_heads)
         drafter = self.drafter
-        self.head(self.target.embed_tokens(to_device(ids)), drafter.taps[slots], positions, meta, drafter.kv_cache)
+        return self.head(self.target.embed_tokens(to_device(ids)), drafter.taps[slots], positions, meta,
+                         drafter.kv_cache)
 
     # -- one step ----------------------------------------------------------
     @torch.inference_mode()
