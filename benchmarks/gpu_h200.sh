@@ -31,52 +31,35 @@ if want decode; then
   python3 -m specserve.cli bench decode "${common[@]}" --batch-sizes 1 8 --no-hf --disable-cuda-graph \
     --out "$OUT/decode_gpu_8b_eager.json"
 fi
+# The offline waves: random 512-token prompts, 256 output tokens, 8B shape with random bf16 weights.
+waves=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
+       --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
+       --ignore-eos --quiet)
+chain=(--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-simulate-accept-len 3.0)
+tree=(--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4
+      --speculative-num-draft-tokens 16 --speculative-simulate-accept-len 4.0)
+# sweep NAME FLAGS...: C = 1, 2, 5 (8 prompts each), then C = 10-250 in a second process, joined into
+# $OUT/offline_8b_NAME.jsonl.
+sweep() {
+  local name=$1; shift
+  python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/${name}_c1.jsonl"
+  python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency 10,30,70,100,250 --out "$OUT/${name}_c10.jsonl"
+  cat "$OUT/${name}_c1.jsonl" "$OUT/${name}_c10.jsonl" > "$OUT/offline_8b_${name}.jsonl"
+  rm -f "$OUT/${name}"_c1*.*
+}
 if want sweep; then
-  model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
-         --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
-         --ignore-eos --quiet --label "specserve plain (CUDA graphs)")
-  python3 -m specserve.cli bench "${model[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/sweep_c1.jsonl"
-  python3 -m specserve.cli bench "${model[@]}" --concurrency 10,30,70,100,250 --out "$OUT/sweep_c10_250.jsonl"
-  cat "$OUT/sweep_c1.jsonl" "$OUT/sweep_c10_250.jsonl" > "$OUT/offline_8b_plain.jsonl"
-  rm -f "$OUT"/sweep_c*
+  sweep plain --label "specserve plain (CUDA graphs)"
 fi
-if want specsweep || want chainsweep || want treesweep; then
-  model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
-         --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
-         --ignore-eos --quiet --speculative-algorithm EAGLE3)
-  chain=(--speculative-num-steps 3 --speculative-simulate-accept-len 3.0 --label "EAGLE-3 chain 3 (simulated tau 3)")
-  tree=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
-        --speculative-simulate-accept-len 4.0 --label "EAGLE-3 tree 4/5/16 (simulated tau 4)")
-  if want specsweep || want treesweep; then
-    python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/tree_c1.jsonl"
-    python3 -m specserve.cli bench "${model[@]}" "${tree[@]}" --concurrency 10,30,70,100,250 --out "$OUT/tree_c10.jsonl"
-    cat "$OUT/tree_c1.jsonl" "$OUT/tree_c10.jsonl" > "$OUT/offline_8b_tree.jsonl"
-  fi
-  if want specsweep || want chainsweep; then
-    python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/chain_c1.jsonl"
-    python3 -m specserve.cli bench "${model[@]}" "${chain[@]}" --concurrency 10,30,70,100,250 --out "$OUT/chain_c10.jsonl"
-    cat "$OUT/chain_c1.jsonl" "$OUT/chain_c10.jsonl" > "$OUT/offline_8b_chain.jsonl"
-  fi
-  rm -f "$OUT"/chain_c*.* "$OUT"/tree_c*.* "$OUT"/sweep_c*.png
+if want specsweep || want treesweep; then
+  sweep tree "${tree[@]}" --label "EAGLE-3 tree 4/5/16 (simulated tau 4)"
+fi
+if want specsweep || want chainsweep; then
+  sweep chain "${chain[@]}" --label "EAGLE-3 chain 3 (simulated tau 3)"
 fi
 if want adaptsweep; then
   # The same chain and tree sweeps with the adaptive draft plan (spec/plan.py) deciding per step and request.
-  model=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
-         --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
-         --ignore-eos --quiet --speculative-algorithm EAGLE3 --speculative-adaptive)
-  chain=(--speculative-num-steps 3 --speculative-simulate-accept-len 3.0
-         --label "EAGLE-3 chain 3 adaptive (simulated tau 3)")
-  tree=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
-        --speculative-simulate-accept-len 4.0 --label "EAGLE-3 tree 4/5/16 adaptive (simulated tau 4)")
-  for kind in chain tree; do
-    declare -n args=$kind
-    python3 -m specserve.cli bench "${model[@]}" "${args[@]}" --concurrency 1,2,5 --num-prompts 8 \
-      --out "$OUT/${kind}_c1.jsonl"
-    python3 -m specserve.cli bench "${model[@]}" "${args[@]}" --concurrency 10,30,70,100,250 \
-      --out "$OUT/${kind}_c10.jsonl"
-    cat "$OUT/${kind}_c1.jsonl" "$OUT/${kind}_c10.jsonl" > "$OUT/offline_8b_${kind}_adaptive.jsonl"
-    rm -f "$OUT/${kind}"_c1*.*
-  done
+  sweep chain_adaptive "${chain[@]}" --speculative-adaptive --label "EAGLE-3 chain 3 adaptive (simulated tau 3)"
+  sweep tree_adaptive "${tree[@]}" --speculative-adaptive --label "EAGLE-3 tree 4/5/16 adaptive (simulated tau 4)"
 fi
 if want tax; then
   python3 benchmarks/spec_off_tax.py --profile --host-profile --out "$OUT/spec_off_tax_h200.json"

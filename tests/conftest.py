@@ -167,3 +167,14 @@ def count_accepted(engine) -> list[int]:
         return deltas
     engine.step = counted
     return accepted
+
+
+def watch_drafting_paths(engine) -> tuple[list[bool], list]:
+    """Wraps the engine's general draft search and its step program's backlog pass. The first list gets, per
+    call of the search, whether it drafted (rather than only extended the drafter); the second, each batch
+    whose backlog the pass caught up on."""
+    proposer, program, general, backlogs = engine.runner.proposer, engine.runner.spec_graphs, [], []
+    propose, catch_up_backlog = proposer.propose, program.catch_up_backlog
+    proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
+    program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
+    return general, backlogs

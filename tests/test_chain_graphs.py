@@ -13,7 +13,7 @@ from specserve.engine.factory import build_engine_core
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
-from conftest import count_accepted, write_peaked_random_head
+from conftest import count_accepted, watch_drafting_paths, write_peaked_random_head
 from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
 
 
@@ -104,9 +104,7 @@ def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny
     when the next step is scheduled. Output stays HF's."""
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     engine.overlap = overlap
-    proposer, general = engine.runner.proposer, []
-    propose = proposer.propose
-    proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
+    general, _ = watch_drafting_paths(engine)
     prompts = _prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts)
     assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
@@ -137,12 +135,8 @@ def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_pat
         engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
     engine.overlap = overlap
     engine.scheduler.draft_gate = _shut_six_open_six()
-    proposer, general = engine.runner.proposer, []
-    propose = proposer.propose
-    proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
+    general, backlogs = watch_drafting_paths(engine)
     program = engine.runner.spec_graphs
-    backlogs, catch_up_backlog = [], program.catch_up_backlog
-    program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
     prompts = _prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts, max_tokens=40)
     assert program.num_runs > 10 and len(backlogs) > 2
@@ -161,9 +155,7 @@ def test_after_a_shut_spell_the_program_drafts_what_the_tree_search_drafts(smoll
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
                ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    program = llm.engine.runner.spec_graphs
-    backlogs, catch_up_backlog = [], program.catch_up_backlog
-    program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
+    _, backlogs = watch_drafting_paths(llm.engine)
     runs = []
     for chain in (True, False):
         llm.engine.scheduler.draft_gate = _shut_six_open_six()

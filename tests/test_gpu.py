@@ -11,7 +11,7 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from conftest import write_peaked_random_head
+from conftest import watch_drafting_paths, write_peaked_random_head
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -281,12 +281,8 @@ def test_adaptive_plan_with_graphs_and_overlap_matches_transformers(tiny_checkpo
 
     engine.observer.observe_step = phased_costs
     engine.observer.config = replace(engine.observer.config, probe_every=8, max_probe_every=8)
-    proposer, general = engine.runner.proposer, []
-    propose = proposer.propose
-    proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
+    general, backlogs = watch_drafting_paths(engine)
     program = engine.runner.spec_graphs
-    backlogs, catch_up_backlog = [], program.catch_up_backlog
-    program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
     plain_replays = engine.runner.graphs.num_replays
     outputs, _ = run_staggered(engine, prompts, max_tokens=40)
     assert outputs == _hf_greedy(path, prompts, "cuda", max_tokens=40)
