@@ -39,12 +39,19 @@ chain=(--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-si
 tree=(--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4
       --speculative-num-draft-tokens 16 --speculative-simulate-accept-len 4.0)
 # sweep NAME FLAGS...: C = 1, 2, 5 (8 prompts each), then C = 10-250 in a second process, joined into
-# $OUT/offline_8b_NAME.jsonl.
+# $OUT/offline_8b_NAME.jsonl. SWEEP_LOW and SWEEP_HIGH replace the two lists (empty: that part is skipped).
+SWEEP_LOW=${SWEEP_LOW-1,2,5}
+SWEEP_HIGH=${SWEEP_HIGH-10,30,70,100,250}
 sweep() {
   local name=$1; shift
-  python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency 1,2,5 --num-prompts 8 --out "$OUT/${name}_c1.jsonl"
-  python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency 10,30,70,100,250 --out "$OUT/${name}_c10.jsonl"
-  cat "$OUT/${name}_c1.jsonl" "$OUT/${name}_c10.jsonl" > "$OUT/offline_8b_${name}.jsonl"
+  rm -f "$OUT/${name}"_c1*.jsonl
+  if [[ -n $SWEEP_LOW ]]; then
+    python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency "$SWEEP_LOW" --num-prompts 8 --out "$OUT/${name}_c1.jsonl"
+  fi
+  if [[ -n $SWEEP_HIGH ]]; then
+    python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency "$SWEEP_HIGH" --out "$OUT/${name}_c10.jsonl"
+  fi
+  cat "$OUT/${name}"_c1*.jsonl > "$OUT/offline_8b_${name}.jsonl"
   rm -f "$OUT/${name}"_c1*.*
 }
 if want sweep; then

@@ -86,10 +86,15 @@ def _fresh_cache(n: int, num_layers: int, cfg):
     return meta, torch.zeros(num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim)
 
 
-@pytest.mark.parametrize("topk,num_steps,num_draft_tokens", [(1, 4, None), (TOPK, 3, 12)])
-def test_eagle3_drafts_follow_the_head(tiny_checkpoint, peaked_random_head, topk, num_steps, num_draft_tokens):
+@pytest.mark.parametrize("topk,num_steps,num_draft_tokens,pass_tokens", [(1, 4, None, None), (TOPK, 3, 12, None),
+                                                                        (TOPK, 3, 12, 7)])
+def test_eagle3_drafts_follow_the_head(tiny_checkpoint, peaked_random_head, topk, num_steps, num_draft_tokens,
+                                       pass_tokens, monkeypatch):
     """Reference: the target over the whole context gives the taps; the head runs over the whole sequence of
-    (embedding of token j+1, taps of j), then over its own outputs for the path, recomputed from scratch."""
+    (embedding of token j+1, taps of j), then over its own outputs for the path, recomputed from scratch.
+    With `pass_tokens`, every catch-up longer than that (prompt chunks, lazy catch-ups) runs in passes."""
+    if pass_tokens is not None:
+        monkeypatch.setattr("specserve.spec.drafters.CATCH_UP_PASS_TOKENS", pass_tokens)
     target = tiny_checkpoint("llama", True)
     engine, records = _recorded_trees(target, SpecConfig("EAGLE3", str(peaked_random_head), num_steps, topk,
                                                          num_draft_tokens), seed=1)

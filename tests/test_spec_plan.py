@@ -159,8 +159,8 @@ def test_engine_output_is_unchanged_and_useless_drafts_stop(tiny_checkpoint, ran
 
 
 def test_while_the_gate_is_shut_drafters_stay_behind_and_catch_up_when_it_opens():
-    """Steps the gate keeps from drafting give the drafter nothing to follow, not even in a step with a
-    prompt chunk (the chunk itself excepted); the next drafting step catches up on everything."""
+    """Steps the gate keeps from drafting give the drafter nothing to follow, not even a prompt chunk; the
+    next drafting step catches up on everything."""
     from specserve.config import SchedulerConfig
     from specserve.engine.kv_pages import PageAllocator
     from specserve.engine.scheduler import Scheduler
@@ -180,15 +180,15 @@ def test_while_the_gate_is_shut_drafters_stay_behind_and_catch_up_when_it_opens(
     a.token_ids.append(10)
     sched.add(Request("b", [4, 5], SamplingParams(max_tokens=20), 20))
     seqs = sched.schedule().seqs  # b's prompt is pending; the gate was shut at the last decode step
-    assert [(s.request_id, s.draft_catchup_ids) for s in seqs] == [("a", []), ("b", [4, 5])]
+    assert [(s.request_id, s.draft_catchup_ids) for s in seqs] == [("a", []), ("b", [])]
     a.num_computed_tokens += 1
-    sched.requests["b"].num_computed_tokens = sched.requests["b"].num_draft_computed_tokens = 2
+    sched.requests["b"].num_computed_tokens = 2
     a.token_ids.append(11)
     sched.requests["b"].token_ids.append(12)
     gate["open"] = True
     seq_a, seq_b = sched.schedule().seqs
     assert (seq_a.num_draft_tokens, seq_a.draft_catchup_ids) == (3, [7, 8, 9, 10, 11])
-    assert (seq_b.num_draft_tokens, seq_b.draft_catchup_ids) == (3, [12])
+    assert (seq_b.num_draft_tokens, seq_b.draft_catchup_ids) == (3, [4, 5, 12])
 
 
 def test_drafting_resumes_when_acceptance_comes_back():

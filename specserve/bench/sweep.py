@@ -165,16 +165,20 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
             timer = PhaseTimer(pick_device(engine_config))
             llm.engine.time_phases(timer)
             results, duration = _offline_wave(llm, token_prompts, prompts, int(value), args)
+            timer.stop()
             llm.engine.time_phases(NoTimer())
             record = {**_base_record(args, "offline"), "model": llm.model_info.name,
                       "engine_config": dataclasses.asdict(engine_config), kind: value, "simulated_accept_len": simulated,
-                      **summarize(results, duration), "step_ms": timer.per_step_ms(), "num_steps": timer.steps}
+                      **summarize(results, duration), "step_ms": timer.per_step_ms(), "num_steps": timer.steps,
+                      "step_kinds": timer.step_kinds()}
             record["acceptance_simulated"] = simulated is not None
             records.append(record)
             sink.write(dumps(record) + "\n")
             sink.flush()
             steps = ", ".join(f"{k} {v:.2f}" for k, v in record["step_ms"].items())
-            print(f"C={int(value)}: {record['output_tok_s']:,.1f} out tok/s; per step (ms): {steps}", flush=True)
+            kinds = ", ".join(f"{k} {v['steps']} x {v['mean_ms']:.2f}" for k, v in record["step_kinds"].items())
+            print(f"C={int(value)}: {record['output_tok_s']:,.1f} out tok/s; per step (ms): {steps}; steps (ms): {kinds}",
+                  flush=True)
     _finish(records, out, f"{llm.model_info.name} offline — {args.dataset}")
     return records
 

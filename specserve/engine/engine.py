@@ -126,6 +126,7 @@ class EngineCore:
         if not batch.seqs:
             return self._read_back()
         self.timer.steps += 1
+        self.timer.step_started(_step_kind(batch))
         deltas = self._run(batch)
         # A step after which the engine may sit idle has no next start to time it by.
         self._last_step = (batch, start) if self.has_work() else None
@@ -295,6 +296,12 @@ class EngineCore:
         if num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _step_kind(batch: StepBatch) -> str:
+    if not all(len(s.token_ids) == 1 and s.sample for s in batch.seqs):
+        return "prompt"  # computes prompt tokens (decoding requests may ride along)
+    return "drafting" if any(s.num_draft_tokens for s in batch.seqs) else "decode"
 
 
 def _advance_drafter(request: Request, seq: ScheduledSeq) -> None:

@@ -1,4 +1,5 @@
-"""Where a step's time goes: schedule, draft, prepare, forward, sample/verify, postprocess.
+"""Where a step's time goes: schedule, draft, catch_up, prepare, forward, sample/verify, postprocess; and
+how the steps' time splits between kinds of step (prompt work, plain decode, drafting decode).
 
 Off by default (a no-op). The offline benchmark switches it on; on a GPU it then synchronises at each phase
 boundary so device time lands in the phase that queued it, which makes the step itself a little slower.
@@ -20,6 +21,24 @@ class PhaseTimer:
         self.sync = device.type == "cuda"
         self.totals: dict[str, float] = defaultdict(float)
         self.steps = 0
+        # kind -> [steps, seconds], each step timed from its start to the next step's start
+        self.kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        self._open: tuple[str, float] | None = None
+
+    def step_started(self, kind: str) -> None:
+        """Closes the step before (its time runs to this start) and opens one of `kind`."""
+        now = time.perf_counter()
+        self.stop()
+        self._open = (kind, now)
+
+    def stop(self) -> None:
+        """Closes the open step: after the last one, when the run ends."""
+        if self._open is not None:
+            kind, start = self._open
+            entry = self.kinds[kind]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+            self._open = None
 
     @contextmanager
     def phase(self, name: str):
@@ -39,9 +58,20 @@ class PhaseTimer:
         ms["host_only"] = sum(ms.get(name, 0.0) for name in HOST_ONLY_PHASES)
         return ms
 
+    def step_kinds(self) -> dict[str, dict[str, float]]:
+        """Per kind of step: how many, their total seconds and mean milliseconds."""
+        return {kind: {"steps": int(n), "seconds": total, "mean_ms": 1e3 * total / n}
+                for kind, (n, total) in sorted(self.kinds.items()) if n}
+
 
 class NoTimer:
     steps = 0
+
+    def step_started(self, kind: str) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
     def phase(self, name: str):
         return nullcontext()

@@ -75,7 +75,7 @@ class ModelRunner:
             if not fits and any(s.num_draft_tokens for s in batch.seqs):
                 trimmed = program.without_backlog(batch)
                 if program.fits(trimmed):
-                    with self.timer.phase("draft"):
+                    with self.timer.phase("catch_up"):
                         program.catch_up_backlog(batch)
                     batch, fits = trimmed, True
             if fits:

@@ -152,8 +152,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, count, 0))
             budget -= count
-        # Drafters follow the decoders along only while the gate is open: while drafting does not pay, they
-        # stay behind (prompt chunks excepted), and most requests finish before it pays again.
+        # Drafters follow along only while the gate is open: while drafting does not pay, they stay behind,
+        # and most requests finish before it pays again.
         extend = self.draft_plan is not None and not drafting and self._gate_open
         return StepBatch([self._describe(r, n, d, extend) for r, n, d in scheduled], self.allocator.page_size)
 
@@ -238,13 +238,14 @@ class Scheduler:
         start = request.num_computed_tokens
         sample = start + count == request.num_tokens
         seed = request.params.seed
-        # What the drafter catches up on: everything up to the root when it drafts, and prompt chunks in the
-        # step that computes them. In a step held back from drafting by pending prompts (`extend`), decoding
-        # requests' known tokens too (all but the newest, which under overlap may still be a placeholder), so
-        # the next drafting step has at most the two newest to catch up on; not while the draft gate is shut,
-        # when the next drafting step catches up on all it missed. Otherwise it waits (lazily).
+        # What the drafter catches up on: everything up to the root when it drafts. While the draft gate is
+        # open (`extend`), also prompt chunks in the step that computes them, and in a step held back from
+        # drafting by pending prompts, decoding requests' known tokens (all but the newest, which under
+        # overlap may still be a placeholder), so the next drafting step has at most the two newest to catch
+        # up on. While the gate is shut nothing: speculation that does not pay costs nothing, and the next
+        # step that drafts for a request catches up on all it missed.
         catch_up_end = request.num_draft_computed_tokens
-        if self.draft_plan is not None and (drafts > 0 or count > 1):
+        if self.draft_plan is not None and (drafts > 0 or count > 1 and extend):
             catch_up_end = start + count
         elif extend:
             catch_up_end = start

@@ -16,6 +16,36 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.transfer import tensor_on, to_device
 
 
+# Tokens one catch-up pass feeds the drafter at most: after a long spell without drafting, a batch of
+# requests may be thousands of tokens behind each, and one pass over all of it would need gigabytes of
+# activations.
+CATCH_UP_PASS_TOKENS = 8192
+
+
+def split_catch_up(chunks: list[tuple[list[int], int]], max_tokens: int | None = None):
+    """Splits (tokens, start position) chunks, one per sequence, into earlier passes and a last one.
+    Returns (passes, tails): each pass a list of (sequence index, tokens, start) pieces of at most
+    `max_tokens` tokens in all, a sequence's pieces in order in successive passes; and per sequence the
+    piece the last pass computes (its last tokens), whose outputs the caller wants. Run in order, the passes
+    leave the drafter's KV as one pass over everything would."""
+    max_tokens = max_tokens or CATCH_UP_PASS_TOKENS
+    tail_len = max(1, max_tokens // max(1, len(chunks)))
+    tails = [(ids[-tail_len:], start + max(0, len(ids) - tail_len)) for ids, start in chunks]
+    passes, current, room = [], [], max_tokens
+    for b, (ids, start) in enumerate(chunks):
+        done, prefix = 0, len(ids) - tail_len
+        while done < prefix:
+            take = min(room, prefix - done)
+            current.append((b, ids[done:done + take], start + done))
+            done, room = done + take, room - take
+            if room == 0:
+                passes.append(current)
+                current, room = [], max_tokens
+    if current:
+        passes.append(current)
+    return passes, tails
+
+
 def _catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq], page_size: int, device):
     """Token ids, positions and attention metadata for (tokens, start position) chunks, one per sequence."""
     input_ids = tensor_on([t for ids, _ in chunks for t in ids], device)
@@ -48,7 +78,12 @@ class DraftModelDrafter:
 
     def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, None]:
         # Every token from the first the draft has not seen up to the root, itself included.
-        chunks = [(s.draft_catchup_ids, s.draft_start_pos) for s in seqs]
+        passes, chunks = split_catch_up([(s.draft_catchup_ids, s.draft_start_pos) for s in seqs])
+        for pieces in passes:
+            meta_seqs = [seqs[b] for b, _, _ in pieces]
+            input_ids, positions, meta, _ = _catch_up_meta([(ids, p) for _, ids, p in pieces], meta_seqs,
+                                                           page_size, self.device)
+            self.model(input_ids, positions, meta, self.kv_cache)
         input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
         hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
         return self.model.compute_logits(hidden[last]), None
@@ -93,11 +128,17 @@ class Eagle3Drafter:
         self.taps[dst] = self.taps[src]
 
     def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunks = [eagle3_catch_up(s) for s in seqs]
+        passes, chunks = split_catch_up([eagle3_catch_up(s) for s in seqs])
+        for pieces in passes:
+            self._extend_over([(ids, p) for _, ids, p in pieces], [seqs[b] for b, _, _ in pieces], page_size)
+        out, last = self._extend_over(chunks, seqs, page_size)
+        return self.head.compute_logits(out[last]), out[last]
+
+    def _extend_over(self, chunks, seqs, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over (tokens, first position) chunks, one per sequence: its outputs, and each chunk's last row."""
         input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
         hidden = self.taps[meta.slot_mapping]
-        out = self.head(self.embed(input_ids), hidden, positions, meta, self.kv_cache)
-        return self.head.compute_logits(out[last]), out[last]
+        return self.head(self.embed(input_ids), hidden, positions, meta, self.kv_cache), last
 
     def extend(self, tokens, states, positions, meta) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.head(self.embed(tokens), states, positions, meta, self.kv_cache)
