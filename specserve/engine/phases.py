@@ -1,4 +1,5 @@
-"""Where a step's time goes: schedule, draft, catch_up, prepare, forward, sample/verify, postprocess; and
+"""Where a step's time goes: schedule, draft, catch_up, prepare, forward, follow (the draft head extending
+over tokens of steps without drafts), sample/verify, postprocess; and
 how the steps' time splits between kinds of step (prompt work, plain decode, drafting decode).
 
 Off by default (a no-op). The offline benchmark switches it on; on a GPU it then synchronises at each phase

@@ -88,11 +88,12 @@ class ModelRunner:
             with self.timer.phase("forward"):
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
                                          [s.page_ids for s in seqs], self.futures)
-                if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
-                    self.proposer.extend_drafter(batch)
                 if self.recorder is not None:
                     taps, hidden = self.graphs.recorded(len(seqs))
                     self.recorder.record(seqs, [taps], hidden)
+            if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
+                with self.timer.phase("follow"):
+                    self.proposer.extend_drafter(batch)
             with self.timer.phase("sample"):
                 return self._sample_plain(seqs, logits.float(), publish)
         with self.timer.phase("prepare"):
@@ -104,9 +105,11 @@ class ModelRunner:
             hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
             if self.proposer is not None:
                 self.proposer.observe(captured, meta.slot_mapping)
-                self.proposer.extend_drafter(batch)
             if self.recorder is not None:
                 self.recorder.record(seqs, captured, hidden)
+        if self.proposer is not None:
+            with self.timer.phase("follow"):
+                self.proposer.extend_drafter(batch)
         with self.timer.phase("sample"):
             ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
             # Logit rows: the last row of a plain sequence; every tree node of a speculating one.

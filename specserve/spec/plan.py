@@ -13,9 +13,12 @@ requests' mean while it has drafted little. Until both costs of a bucket are kno
 The side not in use goes stale, so now and then the other runs for at least `probe_len` steps, until one of
 them is timed: the first step after a switch is not, since it also paid for the switch (under overlap
 scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
-and as much less often as keeps their measured cost (the time the losing side gives up in `probe_len` + 1
-steps) under `probe_budget` of the time: on a 2-core CPU a drafting step of 32 requests costs ~4 plain ones
-and yields ~2 tokens a request, so probing every 256 steps there costs ~2 % of the throughput.
+and as much less often as keeps their measured cost under `probe_budget` of the time: the time the losing
+side gives up in `probe_len` + 1 steps, and for a probe of drafting after a plain spell, the switch itself.
+While the gate is shut the draft head follows nothing, so the first drafting step catches it up on all the
+running requests missed (prompts included): its time beyond a drafting step's is measured per bucket and
+taken as the next probe's. It grows with the spell until the spell outlasts the requests, so after a cheap
+first probe the spacing grows too, up to `max_probe_every`.
 A request held back from drafting is due to draft again after `probe_every` pure decode steps without
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
 request that started badly is re-tried, while one due request among many does not open the gate alone.
@@ -65,6 +68,10 @@ class AdaptivePlan:
         self._planned: tuple[bool, int] | None = None  # the step planned last, until it is observed
         self._observed: tuple[bool, int] | None = None  # the last step observed, if it went as planned
         self._streak = 0  # planned steps in a row with the same side and bucket, the last one included
+        # bucket -> seconds the last drafting step after a plain spell took beyond a drafting step (the
+        # head's catch-up on the spell)
+        self.switch_cost: dict[int, float] = {}
+        self._ends_spell = False  # the step planned last drafts after a plain spell
         self.break_even = 0.0  # t_draft / t_plain for this step's requests (0: every request drafts)
 
     # -- planning ---------------------------------------------------------
@@ -81,10 +88,11 @@ class AdaptivePlan:
             choice = self._unmeasured(True, size)  # measure what is missing, drafting first
         else:
             gain = self._gain(requests, draft / plain)
-            choice = self._probe(size, gain > 1, self._probe_interval(gain, draft / plain))
+            choice = self._probe(size, gain > 1, self._probe_interval(gain, draft, plain, size))
             if choice and gain > 1:
                 self.break_even = draft / plain
         last, run, since = self._side.get(size, (None, 0, 0))
+        self._ends_spell = choice and last is False
         if last != choice:
             run, since = 0, self._samples.get((choice, size), 0)
         self._side[size] = (choice, run + 1, since)
@@ -114,15 +122,16 @@ class AdaptivePlan:
         tokens = sum(length if length > break_even else 1.0 for length in lengths)
         return tokens / (len(requests) * break_even)
 
-    def _probe_interval(self, gain: float, cost_ratio: float) -> int:
-        """Steps of the winning side between probes. A probe step costs the losing side's step time times
-        the share of tokens per second it gives up, in winning steps: with r its step time over the
-        winner's and g its speed over the winner's, r * (1 - g)."""
+    def _probe_interval(self, gain: float, draft: float, plain: float, size: int) -> int:
+        """Steps of the winning side between probes, in units of a winning step's time. A probe step costs
+        the losing side's step time times the share of tokens per second it gives up: with r its step time
+        over the winner's and g its speed over the winner's, r * (1 - g). A probe of drafting also pays the
+        head's catch-up, as long as the last one."""
         if gain > 1:  # plain decode is probed: r = t_plain / t_draft, g = 1 / gain
-            loss = (1 - 1 / gain) / cost_ratio
+            loss = (self.config.probe_len + 1) * (1 - 1 / gain) * plain / draft
         else:
-            loss = cost_ratio * (1 - gain)
-        spacing = (self.config.probe_len + 1) * loss / self.config.probe_budget
+            loss = (self.config.probe_len + 1) * draft / plain * (1 - gain) + self.switch_cost.get(size, 0.0) / plain
+        spacing = loss / self.config.probe_budget
         return int(min(max(self.config.probe_every, spacing), self.config.max_probe_every))
 
     def _probe(self, size: int, choice: bool, every: int) -> bool:
@@ -155,6 +164,10 @@ class AdaptivePlan:
         # A step cut short by the token budget or preemption still shows what the planned side costs at
         # this load: it is kept under the planned bucket.
         key = planned if planned is not None and planned[0] == drafted else (drafted, bucket(batch_size))
+        if planned == key and self._ends_spell and key in self.cost:
+            # Beyond a drafting step it also waited for the plain step in flight, under overlap scheduling.
+            extra = seconds - self.cost[key] - self.cost.get((False, key[1]), 0.0)
+            self.switch_cost[key[1]] = max(0.0, extra)
         if planned == key and self._streak >= 2:
             times = self._times.setdefault(key, deque(maxlen=self.config.window))
             times.append(seconds)
