@@ -13,10 +13,17 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.layers import cpu_kernels
 from specserve.transfer import to_device
 
+
+# SDPA on a GPU without cuDNN's backend: cuDNN builds an execution plan for every new shape, 45 ms to 1.8 s of
+# host time per call on the H200 with torch 2.11, and prompt steps and draft-head catch-ups bring new shapes
+# all the time (their device time was under 1 ms). Flash serves causal calls; masked ones go to the
+# memory-efficient kernel, with K/V heads repeated for it (it takes no grouped heads).
+GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Sequences with at most this many queries (decode steps and verified draft trees) share one padded SDPA call;
 # longer ones (prefill chunks) are padded only with chunks of similar size, not with every decode row.
@@ -238,18 +245,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
         flat_slots = group.kv_slots.view(-1)
         keys = kv_cache[0].index_select(0, flat_slots).view(gather_shape)
         values = kv_cache[1].index_select(0, flat_slots).view(gather_shape)
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=group.mask,
-        is_causal=group.causal,
-        scale=scale,
-        enable_gqa=True,
-    )  # [B, H, max_q, D]
+    out = _sdpa(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), group.mask, group.causal,
+                scale)  # [B, H, max_q, D]
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = out.transpose(1, 2).reshape(batch * group.max_q, num_heads * head_dim)
     return out if group.query_rows is None else out[group.query_rows]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float) -> torch.Tensor:
+    """SDPA over [B, heads, L, D] with grouped K/V heads."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    if mask is not None:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel(GPU_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=mask is None)
 
 
 def _pad(x: torch.Tensor, group: QueryGroup) -> torch.Tensor:
