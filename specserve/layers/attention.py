@@ -19,11 +19,13 @@ from specserve.layers import cpu_kernels
 from specserve.transfer import to_device
 
 
-# SDPA on a GPU without cuDNN's backend: cuDNN builds an execution plan for every new shape, 45 ms to 1.8 s of
-# host time per call on the H200 with torch 2.11, and prompt steps and draft-head catch-ups bring new shapes
-# all the time (their device time was under 1 ms). Flash serves causal calls; masked ones go to the
-# memory-efficient kernel, with K/V heads repeated for it (it takes no grouped heads).
-GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# SDPA for shapes that rarely repeat (the draft head's catch-ups): without cuDNN's backend, which builds an
+# execution plan for every new shape: 45 ms to 1.8 s of host time per call on the H200 with torch 2.11, for
+# under 1 ms of device time. Flash serves causal calls; masked ones go to the memory-efficient kernel, with
+# K/V heads repeated for it (it takes no grouped heads). The target keeps the default choice: its prompt
+# steps repeat shapes, and repeating K/V heads for a step's decode rows made prompt steps of 224 decoding
+# requests ~75 ms slower.
+VARIED_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Sequences with at most this many queries (decode steps and verified draft trees) share one padded SDPA call;
 # longer ones (prefill chunks) are padded only with chunks of similar size, not with every decode row.
@@ -46,6 +48,7 @@ class QueryGroup:
     # its row of kv_slots, and how many of that row's slots it sees.
     token_seq: torch.Tensor | None = None
     token_kv_len: torch.Tensor | None = None
+    varied_shapes: bool = False  # shapes that rarely repeat: SDPA keeps off cuDNN (VARIED_SHAPE_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,10 @@ class AttentionMetadata:
         page_size: int,
         device: torch.device,
         tree_masks: list[torch.Tensor | None] | None = None,
+        varied_shapes: bool = False,
     ) -> "AttentionMetadata":
         """`tree_masks[b]`, if given, is a [q, q] ancestor mask replacing causality among sequence b's step
-        tokens (a draft tree stored parents-first, one slot per node)."""
+        tokens (a draft tree stored parents-first, one slot per node). `varied_shapes`: see QueryGroup."""
         trees = list(tree_masks or []) + [None] * (len(query_lens) - len(tree_masks or []))
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
         long = [b for b, q in enumerate(query_lens) if q > SHORT_QUERY]
@@ -84,7 +88,8 @@ class AttentionMetadata:
         parts = ([short] if short else []) + _similar_runs(long, query_lens, kv_lens)
         if len(parts) == 1:
             group, slot_mapping = _padded_group(query_lens, start_positions, page_tables, page_size, trees, device)
-            return cls(slot_mapping=to_device(slot_mapping, device), groups=(group,))
+            return cls(slot_mapping=to_device(slot_mapping, device),
+                       groups=(replace(group, varied_shapes=varied_shapes),))
         first_token = [0, *itertools.accumulate(query_lens)]
         groups, slot_mapping = [], torch.empty(first_token[-1], dtype=torch.long)
         for members in parts:
@@ -93,7 +98,7 @@ class AttentionMetadata:
                                          [trees[b] for b in members], device)
             tokens = torch.cat([torch.arange(first_token[b], first_token[b + 1]) for b in members])
             slot_mapping[tokens] = slots
-            groups.append(replace(group, tokens=to_device(tokens, device)))
+            groups.append(replace(group, tokens=to_device(tokens, device), varied_shapes=varied_shapes))
         return cls(slot_mapping=to_device(slot_mapping, device), groups=tuple(groups))
 
     @classmethod
@@ -115,7 +120,7 @@ class AttentionMetadata:
         query_rows = torch.cat([torch.arange(q) + b * max_q for b, q in enumerate(query_lens)])
         group = QueryGroup(kv_slots=to_device(slots, device), mask=to_device(mask.unsqueeze(1), device),
                            query_rows=to_device(query_rows, device) if min(query_lens) < max_q else None,
-                           max_q=max_q)
+                           max_q=max_q, varied_shapes=True)
         return cls(slot_mapping=to_device(slot_mapping, device), groups=(group,))
 
 
@@ -246,21 +251,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
         keys = kv_cache[0].index_select(0, flat_slots).view(gather_shape)
         values = kv_cache[1].index_select(0, flat_slots).view(gather_shape)
     out = _sdpa(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), group.mask, group.causal,
-                scale)  # [B, H, max_q, D]
+                scale, group.varied_shapes)  # [B, H, max_q, D]
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = out.transpose(1, 2).reshape(batch * group.max_q, num_heads * head_dim)
     return out if group.query_rows is None else out[group.query_rows]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-          scale: float) -> torch.Tensor:
+          scale: float, varied_shapes: bool) -> torch.Tensor:
     """SDPA over [B, heads, L, D] with grouped K/V heads."""
-    if not q.is_cuda:
+    if not (q.is_cuda and varied_shapes):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     if mask is not None:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    with sdpa_kernel(GPU_SDPA_BACKENDS):
+    with sdpa_kernel(VARIED_SHAPE_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=mask is None)
 

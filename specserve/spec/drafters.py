@@ -51,7 +51,8 @@ def _catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq]
     input_ids = tensor_on([t for ids, _ in chunks for t in ids], device)
     positions = to_device(torch.cat([torch.arange(p, p + len(ids)) for ids, p in chunks]), device)
     meta = AttentionMetadata.build(
-        [len(ids) for ids, _ in chunks], [p for _, p in chunks], [s.page_ids for s in seqs], page_size, device
+        [len(ids) for ids, _ in chunks], [p for _, p in chunks], [s.page_ids for s in seqs], page_size, device,
+        varied_shapes=True,  # catch-ups come in every length
     )
     last = to_device(torch.tensor([len(ids) for ids, _ in chunks]).cumsum(0) - 1, device)
     return input_ids, positions, meta, last
