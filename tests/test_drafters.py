@@ -60,9 +60,12 @@ def _check_every_node_is_a_top_k_child(records, next_logits, topk: int) -> None:
             assert tree.tokens[node] in logits.topk(topk).indices.tolist(), (len(context), node)
 
 
-def test_draft_model_trees_follow_the_draft_model(tiny_checkpoint):
+@pytest.mark.parametrize("pass_tokens", [None, 7])
+def test_draft_model_trees_follow_the_draft_model(tiny_checkpoint, pass_tokens, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    if pass_tokens is not None:  # every catch-up longer than this runs in passes
+        monkeypatch.setattr("specserve.spec.drafters.CATCH_UP_PASS_TOKENS", pass_tokens)
     target = tiny_checkpoint("llama", True)
     _, records = _recorded_trees(target, SpecConfig("DRAFT_MODEL", str(target), 3, TOPK, 12))
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

@@ -126,7 +126,7 @@ class EngineCore:
         if not batch.seqs:
             return self._read_back()
         self.timer.steps += 1
-        self.timer.step_started(_step_kind(batch))
+        self.timer.step_started(_step_kind(batch))  # a step's schedule phase counts for the step before
         deltas = self._run(batch)
         # A step after which the engine may sit idle has no next start to time it by.
         self._last_step = (batch, start) if self.has_work() else None

@@ -1,5 +1,6 @@
-"""Where a step's time goes: schedule, draft, catch_up, prepare, forward, follow (the draft head extending
-over tokens of steps without drafts), sample/verify, postprocess; and
+"""Where a step's time goes: schedule, draft (the general search, its catch-up included), catch_up (the step
+programs' backlog pass), prepare, forward, follow (the draft head extending over tokens of steps without
+drafts), sample/verify, postprocess; and
 how the steps' time splits between kinds of step (prompt work, plain decode, drafting decode).
 
 Off by default (a no-op). The offline benchmark switches it on; on a GPU it then synchronises at each phase

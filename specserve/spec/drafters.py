@@ -29,6 +29,8 @@ def split_catch_up(chunks: list[tuple[list[int], int]], max_tokens: int | None =
     piece the last pass computes (its last tokens), whose outputs the caller wants. Run in order, the passes
     leave the drafter's KV as one pass over everything would."""
     max_tokens = max_tokens or CATCH_UP_PASS_TOKENS
+    if sum(len(ids) for ids, _ in chunks) <= max_tokens:
+        return [], chunks
     tail_len = max(1, max_tokens // max(1, len(chunks)))
     tails = [(ids[-tail_len:], start + max(0, len(ids) - tail_len)) for ids, start in chunks]
     passes, current, room = [], [], max_tokens

@@ -15,9 +15,9 @@ them is timed: the first step after a switch is not, since it also paid for the 
 scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
 and as much less often as keeps their measured cost under `probe_budget` of the time: the time the losing
 side gives up in `probe_len` + 1 steps, and for a probe of drafting after a plain spell, the switch itself.
-While the gate is shut the draft head follows nothing, so the first drafting step catches it up on all the
-running requests missed (prompts included): its time beyond a drafting step's is measured per bucket and
-taken as the next probe's. It grows with the spell until the spell outlasts the requests, so after a cheap
+While the gate is shut the draft head follows nothing, so the first drafting step catches it up on all its
+requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
+overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows with the spell until the spell outlasts the requests, so after a cheap
 first probe the spacing grows too, up to `max_probe_every`.
 A request held back from drafting is due to draft again after `probe_every` pure decode steps without
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
@@ -68,10 +68,9 @@ class AdaptivePlan:
         self._planned: tuple[bool, int] | None = None  # the step planned last, until it is observed
         self._observed: tuple[bool, int] | None = None  # the last step observed, if it went as planned
         self._streak = 0  # planned steps in a row with the same side and bucket, the last one included
-        # bucket -> seconds the last drafting step after a plain spell took beyond a drafting step (the
-        # head's catch-up on the spell)
+        # bucket -> seconds the last drafting step right after a plain one took beyond a drafting step and
+        # the plain one it waited for (the head's catch-up on the spell)
         self.switch_cost: dict[int, float] = {}
-        self._ends_spell = False  # the step planned last drafts after a plain spell
         self.break_even = 0.0  # t_draft / t_plain for this step's requests (0: every request drafts)
 
     # -- planning ---------------------------------------------------------
@@ -92,7 +91,6 @@ class AdaptivePlan:
             if choice and gain > 1:
                 self.break_even = draft / plain
         last, run, since = self._side.get(size, (None, 0, 0))
-        self._ends_spell = choice and last is False
         if last != choice:
             run, since = 0, self._samples.get((choice, size), 0)
         self._side[size] = (choice, run + 1, since)
@@ -164,9 +162,10 @@ class AdaptivePlan:
         # A step cut short by the token budget or preemption still shows what the planned side costs at
         # this load: it is kept under the planned bucket.
         key = planned if planned is not None and planned[0] == drafted else (drafted, bucket(batch_size))
-        if planned == key and self._ends_spell and key in self.cost:
+        after_plain = self._observed is not None and not self._observed[0]
+        if planned == key and drafted and after_plain and key in self.cost:
             # Beyond a drafting step it also waited for the plain step in flight, under overlap scheduling.
-            extra = seconds - self.cost[key] - self.cost.get((False, key[1]), 0.0)
+            extra = seconds - self.cost[key] - self.cost.get((False, self._observed[1]), 0.0)
             self.switch_cost[key[1]] = max(0.0, extra)
         if planned == key and self._streak >= 2:
             times = self._times.setdefault(key, deque(maxlen=self.config.window))
