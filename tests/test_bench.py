@@ -112,6 +112,10 @@ def test_offline_mode_reports_the_step_breakdown(tiny_chat_model, tmp_path):
         assert set(steps) >= {"schedule", "draft", "prepare", "forward", "sample", "postprocess", "host_only"}
         assert steps["host_only"] == pytest.approx(steps["schedule"] + steps["prepare"] + steps["postprocess"])
         assert r["mean_acceptance_length"] > 3  # the draft is the target itself
+        kinds = r["step_kinds"]  # every step counted once, by kind, within the run's time
+        assert set(kinds) <= {"prompt", "decode", "drafting"} and {"prompt", "drafting"} <= set(kinds)
+        assert sum(k["steps"] for k in kinds.values()) == r["num_steps"]
+        assert sum(k["seconds"] for k in kinds.values()) <= r["duration_s"]
     _valid_png(out.with_suffix(".png"))
 
 

@@ -126,7 +126,7 @@ class EngineCore:
         if not batch.seqs:
             return self._read_back()
         self.timer.steps += 1
-        self.timer.step_started(_step_kind(batch))  # a step's schedule phase counts for the step before
+        self.timer.step_started(batch)  # a step's schedule phase counts for the step before
         deltas = self._run(batch)
         # A step after which the engine may sit idle has no next start to time it by.
         self._last_step = (batch, start) if self.has_work() else None
@@ -139,11 +139,11 @@ class EngineCore:
         if self._last_step is None:
             return
         (batch, start), self._last_step = self._last_step, None
-        if all(len(s.token_ids) == 1 and s.sample for s in batch.seqs):
-            drafted = any(s.num_draft_tokens for s in batch.seqs)
-            self.observer.observe_step(drafted, len(batch.seqs), now - start)
-        else:
+        kind = batch.kind
+        if kind == "prompt":
             self.observer.observe_other_step()
+        else:
+            self.observer.observe_step(kind == "drafting", len(batch.seqs), now - start)
 
     def _run(self, batch: StepBatch) -> list[TokenDelta]:
         if self.overlap and not any(s.num_draft_tokens for s in batch.seqs):
@@ -230,8 +230,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages, s.num_preemptions,
-                           s.draft_plan is not None and s.drafting_allowed)
+        return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages,
+                           s.num_preemptions, s.draft_plan is not None and s.drafting_allowed)
 
     def _postprocess(self, batch: StepBatch, sampled: list[list[int]]) -> list[TokenDelta]:
         deltas = []
@@ -296,12 +296,6 @@ class EngineCore:
         if num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-def _step_kind(batch: StepBatch) -> str:
-    if not all(len(s.token_ids) == 1 and s.sample for s in batch.seqs):
-        return "prompt"  # computes prompt tokens (decoding requests may ride along)
-    return "drafting" if any(s.num_draft_tokens for s in batch.seqs) else "decode"
 
 
 def _advance_drafter(request: Request, seq: ScheduledSeq) -> None:

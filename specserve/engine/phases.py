@@ -27,11 +27,11 @@ class PhaseTimer:
         self.kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         self._open: tuple[str, float] | None = None
 
-    def step_started(self, kind: str) -> None:
-        """Closes the step before (its time runs to this start) and opens one of `kind`."""
+    def step_started(self, batch) -> None:
+        """Closes the step before (its time runs to this start) and opens `batch`'s (a StepBatch)."""
         now = time.perf_counter()
         self.stop()
-        self._open = (kind, now)
+        self._open = (batch.kind, now)
 
     def stop(self) -> None:
         """Closes the open step: after the last one, when the run ends."""
@@ -69,7 +69,7 @@ class PhaseTimer:
 class NoTimer:
     steps = 0
 
-    def step_started(self, kind: str) -> None:
+    def step_started(self, batch) -> None:
         pass
 
     def stop(self) -> None:

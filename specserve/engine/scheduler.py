@@ -50,6 +50,13 @@ class StepBatch:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 
+    @property
+    def kind(self) -> str:
+        """"prompt" (computes prompt tokens; decoding requests may ride along), "drafting" or "decode"."""
+        if not all(len(s.token_ids) == 1 and s.sample for s in self.seqs):
+            return "prompt"
+        return "drafting" if any(s.num_draft_tokens for s in self.seqs) else "decode"
+
 
 class Scheduler:
     def __init__(

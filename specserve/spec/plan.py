@@ -17,8 +17,9 @@ and as much less often as keeps their measured cost under `probe_budget` of the 
 side gives up in `probe_len` + 1 steps, and for a probe of drafting after a plain spell, the switch itself.
 While the gate is shut the draft head follows nothing, so the first drafting step catches it up on all its
 requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
-overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows with the spell until the spell outlasts the requests, so after a cheap
-first probe the spacing grows too, up to `max_probe_every`.
+overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows
+with the spell until the spell outlasts the requests, so after a cheap first probe the spacing grows too,
+up to `max_probe_every`.
 A request held back from drafting is due to draft again after `probe_every` pure decode steps without
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
 request that started badly is re-tried, while one due request among many does not open the gate alone.
