@@ -36,7 +36,10 @@ TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dt
     ([(40, 0), (1, 0), (40, 0), (33, 0), (5, 0)], None, 2, 2),
     ([(24, 0), (24, 0)], None, 1, 1),
 ])
-def test_mixed_steps_attend_like_each_sequence_alone(seqs, tree_at, num_groups, fresh_groups):
+# With the decode kernel (a GPU's default), single-query rows leave the SDPA calls for the kernel, whose
+# PyTorch contract runs here; the groups keep their count, as each case has other short rows.
+@pytest.mark.parametrize("decode_kernel", [False, True])
+def test_mixed_steps_attend_like_each_sequence_alone(seqs, tree_at, num_groups, fresh_groups, decode_kernel):
     g = torch.Generator().manual_seed(0)
     tree = TREE
     pages, next_page = [], 1
@@ -53,8 +56,11 @@ def test_mixed_steps_attend_like_each_sequence_alone(seqs, tree_at, num_groups, 
         contexts.append((k, v))
     query_lens, starts = [q for q, _ in seqs], [s for _, s in seqs]
     meta = AttentionMetadata.build(query_lens, starts, pages, PAGE, torch.device("cpu"),
-                                   tree_masks=[tree if b == tree_at else None for b in range(len(seqs))])
+                                   tree_masks=[tree if b == tree_at else None for b in range(len(seqs))],
+                                   decode_kernel=decode_kernel)
     assert len(meta.groups) == num_groups
+    singles = sum(q == 1 for q, _ in seqs)
+    assert (0 if meta.decode_rows is None else len(meta.decode_rows.tokens)) == (singles if decode_kernel else 0)
     assert sum(group.self_attention for group in meta.groups) == fresh_groups
     q = torch.randn(sum(query_lens), HEADS, DIM, generator=g)
     new_k = torch.cat([k[s:] for (k, _), s in zip(contexts, starts)])

@@ -78,6 +78,11 @@ def test_throughput_is_within_probing_cost_of_the_better_side(batch, tau):
         assert drafted > 0.9
     if plain_rate > 1.1 * draft_rate:
         assert drafted < 0.1
+    seen = plan.snapshot()  # what benchmark records show: the costs it learned, in ms
+    size = bucket(batch)
+    assert seen["cost_ms"][f"plain@{size}"] == pytest.approx(PLAIN(batch) * 1e3, rel=1e-3)
+    assert seen["cost_ms"][f"draft@{size}"] == pytest.approx(DRAFT(batch) * 1e3, rel=1e-3)
+    assert seen["samples"][f"plain@{size}"] >= 2 and seen["samples"][f"draft@{size}"] >= 2
 
 
 def test_probes_of_drafting_are_spaced_by_what_the_catch_up_costs():
@@ -290,3 +295,21 @@ def test_probes_of_a_side_that_loses_by_far_cost_at_most_their_budget():
     best = 32 / plain(32)
     assert got >= (1 - plan.config.probe_budget) * best, (got / best, drafted)  # every 256 steps: 0.986
     assert 0 < drafted < 0.005
+
+
+def test_drafts_cut_by_the_room_left_do_not_lower_the_recent_mean():
+    """A request's last steps draft only what fits before its max_tokens, and accept at most that. On an
+    H200 a wave of 30 requests finishing together drew the mean from 4.0 to 3.1, under the break-even, so
+    the next wave's requests did not draft (tree at C = 30: 0.92x plain)."""
+    plan = AdaptivePlan(max_drafts=4)
+    request = _requests(1)[0]
+    for _ in range(200):
+        plan.observe_acceptance(request, 4, 3)
+    assert plan.mean_accept_len == pytest.approx(4.0, abs=0.01)
+    for _ in range(30):
+        plan.observe_acceptance(request, 1, 1)  # the room left held one draft
+    assert plan.mean_accept_len == pytest.approx(4.0, abs=0.01)
+    assert request.steps_since_drafting == 0
+    plan.observe_acceptance(request, 4, 0)  # a full draft that failed still counts
+    assert plan.mean_accept_len < 3.95
+

@@ -171,6 +171,8 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
                       "engine_config": dataclasses.asdict(engine_config), kind: value, "simulated_accept_len": simulated,
                       **summarize(results, duration), "step_ms": timer.per_step_ms(), "num_steps": timer.steps,
                       "step_kinds": timer.step_kinds()}
+            if hasattr(llm.engine.observer, "snapshot"):
+                record["plan"] = llm.engine.observer.snapshot()
             record["acceptance_simulated"] = simulated is not None
             records.append(record)
             sink.write(dumps(record) + "\n")

@@ -5,6 +5,8 @@ Each step writes the new keys/values to their slots, then gathers every sequence
 batch and runs SDPA with a mask that is causal within the step and open to everything before it. One token
 per sequence and sixteen per sequence go through the same code. A step that mixes decode rows with prefill
 chunks runs one SDPA call for the short rows and one per run of similar-sized chunks, so padding stays bounded.
+On a GPU the single-query rows of such a step go to the paged decode kernel instead, which reads their
+contexts in place.
 """
 from __future__ import annotations
 
@@ -52,6 +54,18 @@ class QueryGroup:
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """A step's single-query rows, attended by the paged decode kernel (its PyTorch contract on a CPU): in a
+    step with prompt chunks they would otherwise gather their whole contexts into an SDPA call whose shape
+    changes every step, and PyTorch's cuDNN backend builds a plan for each new shape (tens of ms of host time)."""
+
+    tokens: torch.Tensor  # [R] which of the step's tokens
+    block_tables: torch.Tensor  # [R, pages] int32
+    seq_lens: torch.Tensor  # [R] int32: row r attends to positions [0, seq_lens[r])
+    max_context: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each token computed this step
     groups: tuple[QueryGroup, ...] = ()  # the PyTorch reference path's SDPA calls
@@ -67,6 +81,7 @@ class AttentionMetadata:
     # Rows come in runs of this many that share one page table and context length (a sequence's tree nodes):
     # the kernel reads that context once per run.
     rows_per_seq: int = 1
+    decode_rows: DecodeRows | None = None  # with groups: the step's single-query rows, by the decode kernel
 
     @classmethod
     def build(
@@ -78,15 +93,21 @@ class AttentionMetadata:
         device: torch.device,
         tree_masks: list[torch.Tensor | None] | None = None,
         varied_shapes: bool = False,
+        decode_kernel: bool | None = None,
     ) -> "AttentionMetadata":
         """`tree_masks[b]`, if given, is a [q, q] ancestor mask replacing causality among sequence b's step
-        tokens (a draft tree stored parents-first, one slot per node). `varied_shapes`: see QueryGroup."""
+        tokens (a draft tree stored parents-first, one slot per node). `varied_shapes`: see QueryGroup.
+        `decode_kernel` (default: on a GPU): single-query rows go to the paged decode kernel (DecodeRows)."""
         trees = list(tree_masks or []) + [None] * (len(query_lens) - len(tree_masks or []))
-        short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
+        if decode_kernel is None:
+            decode_kernel = device.type == "cuda"
+        singles = [b for b, q in enumerate(query_lens) if decode_kernel and q == 1 and trees[b] is None]
+        single = set(singles)
+        short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY and b not in single]
         long = [b for b, q in enumerate(query_lens) if q > SHORT_QUERY]
         kv_lens = [s + q for s, q in zip(start_positions, query_lens)]
         parts = ([short] if short else []) + _similar_runs(long, query_lens, kv_lens)
-        if len(parts) == 1:
+        if len(parts) == 1 and not singles:
             group, slot_mapping = _padded_group(query_lens, start_positions, page_tables, page_size, trees, device)
             return cls(slot_mapping=to_device(slot_mapping, device),
                        groups=(replace(group, varied_shapes=varied_shapes),))
@@ -99,7 +120,13 @@ class AttentionMetadata:
             tokens = torch.cat([torch.arange(first_token[b], first_token[b + 1]) for b in members])
             slot_mapping[tokens] = slots
             groups.append(replace(group, tokens=to_device(tokens, device), varied_shapes=varied_shapes))
-        return cls(slot_mapping=to_device(slot_mapping, device), groups=tuple(groups))
+        rows = None
+        if singles:
+            rows, slots = _decode_rows([first_token[b] for b in singles], [start_positions[b] for b in singles],
+                                       [page_tables[b] for b in singles], page_size, device)
+            slot_mapping[[first_token[b] for b in singles]] = slots
+        return cls(slot_mapping=to_device(slot_mapping, device), groups=tuple(groups), decode_rows=rows,
+                   page_size=page_size)
 
     @classmethod
     def from_slots(
@@ -134,6 +161,18 @@ def _similar_runs(members: list[int], query_lens: list[int], kv_lens: list[int])
         else:
             runs.append([b])
     return runs
+
+
+def _decode_rows(tokens: list[int], positions: list[int], page_tables: list[list[int]], page_size: int,
+                 device: torch.device) -> tuple[DecodeRows, torch.Tensor]:
+    """The decode kernel's metadata for single-query rows at `positions`, and their tokens' slots (host)."""
+    width = max(len(p) for p in page_tables)
+    tables = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.int32)
+    pos = torch.tensor(positions)
+    slots = tables[torch.arange(len(tokens)), pos // page_size].long() * page_size + pos % page_size
+    rows = DecodeRows(tokens=to_device(torch.tensor(tokens), device), block_tables=to_device(tables, device),
+                      seq_lens=to_device((pos + 1).to(torch.int32), device), max_context=max(positions) + 1)
+    return rows, slots
 
 
 def _padded_group(query_lens: list[int], start_positions: list[int], page_tables: list[list[int]],
@@ -212,7 +251,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for group in meta.groups:
         out[group.tokens] = _attend(q[group.tokens], k[group.tokens], v[group.tokens], kv_cache, group, scale)
+    if meta.decode_rows is not None:
+        rows = meta.decode_rows
+        out[rows.tokens] = _attend_decode_rows(q[rows.tokens], kv_cache, rows, meta.page_size, scale)
     return out
+
+
+def _attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, page_size: int,
+                        scale: float) -> torch.Tensor:
+    splits = 1
+    if q.is_cuda:
+        from specserve.layers.triton_attention import num_splits  # Triton: GPU machines only
+
+        splits = num_splits(q.shape[0], kv_cache.shape[2], rows.max_context)
+    # The kernel form; its slot mapping is not read (the step's KV is stored before attention).
+    kernel_form = AttentionMetadata(slot_mapping=rows.tokens, block_tables=rows.block_tables, seq_lens=rows.seq_lens,
+                                    page_size=page_size, num_splits=splits)
+    return attend(q, q, q, kv_cache, kernel_form, scale)
 
 
 def attend_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -154,6 +154,17 @@ class AdaptivePlan:
         total = request.num_spec_steps + request.num_accepted_tokens + prior * self.mean_accept_len
         return total / (request.num_spec_steps + prior)
 
+    def snapshot(self) -> dict:
+        """What the plan believes now, for benchmark records: step costs in ms by side and bucket, the
+        switch costs, the recent requests' mean acceptance length and the step times kept."""
+        def name(key: tuple[bool, int]) -> str:
+            return f"{'draft' if key[0] else 'plain'}@{key[1]}"
+
+        return {"cost_ms": {name(k): round(s * 1e3, 3) for k, s in sorted(self.cost.items())},
+                "switch_cost_ms": {str(b): round(s * 1e3, 3) for b, s in sorted(self.switch_cost.items())},
+                "mean_accept_len": round(self.mean_accept_len, 3),
+                "samples": {name(k): n for k, n in sorted(self._samples.items())}}
+
     # -- observing --------------------------------------------------------
     def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None:
         """A pure decode step's duration. Kept only for a step the plan made that followed one of the same
@@ -186,5 +197,9 @@ class AdaptivePlan:
         """Called after the request's counters took this step in."""
         if drafted > 0:
             request.steps_since_drafting = 0
+        # Fewer drafts than planned: cut by the room the request has left, which caps its acceptance too. Such
+        # steps end every request, all at once at the end of a wave of like requests, and would drag the
+        # recent mean (the new requests' prior) under the break-even just as the next wave starts.
+        if drafted >= self.max_drafts:
             weight = self.config.smoothing
             self.mean_accept_len = (1 - weight) * self.mean_accept_len + weight * (1.0 + accepted)
