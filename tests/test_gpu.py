@@ -416,3 +416,28 @@ def test_triton_gemv_matches_cublas(rows, shape):
     tile = triton_gemv.choice.tile(x, weight)
     assert tile is None or isinstance(tile, triton_gemv.Tile)
     assert "cublas" in triton_gemv.choice.timings[triton_gemv.choice.key(x, weight)]
+
+
+def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
+    """With CUDA graphs the GEMV choices are made at startup; a shape still undecided when a step runs takes
+    cuBLAS (timing it clones the weight, captures a graph and synchronises mid-step). Outside steps it is
+    timed as before."""
+    from specserve.layers import triton_gemv
+
+    path = tiny_checkpoint("llama", True)
+    config = replace(_tight_config(str(path), max_total_tokens=400), device="cuda", dtype="bfloat16")
+    engine, _ = build_engine_core(config, progress=False)
+    timed = []
+    monkeypatch.setattr(triton_gemv.choice, "best", {})  # every shape undecided again
+    monkeypatch.setattr(triton_gemv.Choice, "_measure", lambda self, key, *args: timed.append(key))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((3, 40, 9)):
+        engine.add_request(str(i), list(range(10, 10 + n)), params)
+    produced = {}
+    while engine.has_work():
+        for delta in engine.step():
+            produced.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    assert all(len(tokens) == 6 for tokens in produced.values()) and timed == []
+    weight = engine.runner.model.layers[0].mlp.down_proj.weight
+    triton_gemv.choice.tile(torch.randn(2, weight.shape[1], device="cuda", dtype=weight.dtype), weight)
+    assert len(timed) == 1

@@ -164,6 +164,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
                                         capture=use_graphs, progress=progress)
     if use_graphs:
         from specserve.engine.cuda_graphs import DecodeGraphs
+        from specserve.layers import triton_gemv
+
+        runner.untimed_gemv = triton_gemv.choice.untimed
 
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.

@@ -2,6 +2,7 @@
 about requests beyond the step in hand."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -60,15 +61,22 @@ class ModelRunner:
         self.spec_graphs = None  # ChainGraphs or TreeGraphs: an EAGLE-3 step as one program
         # Training-data capture (specserve.train.datagen): sees every computed token's taps and hidden state.
         self.recorder = None
+        # With CUDA graphs, the GEMV choices are made at startup; a step's eager calls take cuBLAS for shapes
+        # still undecided rather than time them mid-step (triton_gemv.Choice.untimed).
+        self.untimed_gemv = contextlib.nullcontext
 
     def execute(self, batch: StepBatch) -> list[list[int]]:
         """Runs the step; for each sequence that samples, returns its accepted drafts plus one new token."""
         return self.launch(batch).tokens()
 
-    @torch.inference_mode()
     def launch(self, batch: StepBatch, publish: bool = False) -> StepOutput:
         """Queues the step on the device. A step without drafts returns before its tokens are read back;
         with `publish`, it also stores them as futures that the next step's inputs may name."""
+        with self.untimed_gemv():
+            return self._launch(batch, publish)
+
+    @torch.inference_mode()
+    def _launch(self, batch: StepBatch, publish: bool) -> StepOutput:
         program = self.spec_graphs if self.recorder is None else None
         if program is not None:
             fits = program.fits(batch)

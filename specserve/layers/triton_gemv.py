@@ -16,6 +16,7 @@ none of it is served from L2 (decode reads each weight once a step).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -145,11 +146,22 @@ CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
 class Choice:
     """Per (weight shape, dtype, row bucket, SiLU-and-multiply or not): the fastest Tile, or None where
     cuBLAS won. A call during CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS
-    there (the graphs' warm-up runs decide the shapes they use before capturing)."""
+    there (the graphs' warm-up runs decide the shapes they use before capturing); so does one inside
+    `untimed()`, which serving steps run in: timing clones the weight, captures a graph and synchronises,
+    ~100 ms that an eager catch-up of the draft head paid at each new row bucket on the H200."""
 
     def __init__(self) -> None:
         self.best: dict[tuple, Tile | None] = {}
         self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
+        self._timing_allowed = True
+
+    @contextmanager
+    def untimed(self):
+        allowed, self._timing_allowed = self._timing_allowed, False
+        try:
+            yield
+        finally:
+            self._timing_allowed = allowed
 
     @staticmethod
     def key(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> tuple:
@@ -159,7 +171,7 @@ class Choice:
     def tile(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Tile | None:
         key = self.key(x, weight, silu_mul)
         if key not in self.best:
-            if torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_current_stream_capturing() or not self._timing_allowed:
                 return None
             self.best[key] = self._measure(key, x, weight, silu_mul)
         return self.best[key]
