@@ -107,6 +107,19 @@ def test_it_follows_the_load_up_and_down():
     assert shares[0] > 0.9 and shares[1] < 0.1 and shares[2] > 0.9
 
 
+@pytest.mark.parametrize("tau,measured_at_once", [(1.5, False), (3.0, True)])
+def test_a_larger_batch_is_not_measured_drafting_at_once_where_a_smaller_one_lost(tau, measured_at_once):
+    """Waves grow the batch through buckets. Where drafting lost at 64 (tau 1.5: break-even 1.63), the
+    larger bucket borrows that break-even and drafts only at its first probe, not in its first steps; where
+    it won at 64 (tau 3), the larger bucket measures drafting first, as a fresh one does."""
+    plan = AdaptivePlan(max_drafts=3)
+    _drive(plan, _requests(64), PLAIN, DRAFT, lambda r: tau, steps=300)
+    _, drafted = _drive(plan, _requests(250), PLAIN, DRAFT, lambda r: tau, steps=plan.config.probe_every)
+    assert (drafted > 0) == measured_at_once
+    _, drafted = _drive(plan, _requests(250), PLAIN, DRAFT, lambda r: tau, steps=300)
+    assert (True, 256) in plan._samples  # measured at a probe all the same
+
+
 def test_a_request_whose_drafts_fail_stops_drafting_alone():
     plan = AdaptivePlan(max_drafts=3)
     requests = _requests(4)
