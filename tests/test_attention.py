@@ -73,6 +73,22 @@ def test_mixed_steps_attend_like_each_sequence_alone(seqs, tree_at, num_groups, 
         row += n
 
 
+def test_a_step_of_decode_rows_alone_goes_to_the_kernel_whole():
+    """Every row a single query (an eager decode step on a GPU): no SDPA group at all, the same answer."""
+    g = torch.Generator().manual_seed(2)
+    query_lens, starts, pages = [1, 1, 1], [9, 0, 30], [[3, 4, 5], [1], [6, 7, 8, 9, 10, 11, 12, 13]]
+    cache = torch.randn(2, 14 * PAGE, KV_HEADS, DIM, generator=g)
+    q = torch.randn(3, HEADS, DIM, generator=g)
+    k, v = torch.randn(2, 3, KV_HEADS, DIM, generator=g)
+    kernel = AttentionMetadata.build(query_lens, starts, pages, PAGE, torch.device("cpu"), decode_kernel=True)
+    padded = AttentionMetadata.build(query_lens, starts, pages, PAGE, torch.device("cpu"), decode_kernel=False)
+    assert kernel.groups == () and len(kernel.decode_rows.tokens) == 3
+    torch.testing.assert_close(kernel.slot_mapping, padded.slot_mapping)
+    a = paged_attention(q, k, v, cache.clone(), kernel, DIM ** -0.5)
+    b = paged_attention(q, k, v, cache.clone(), padded, DIM ** -0.5)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_one_padded_call_gives_the_same_answer(monkeypatch):
     """Grouping changes only how the work is cut: one padded call over everything agrees."""
     g = torch.Generator().manual_seed(1)

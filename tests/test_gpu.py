@@ -419,14 +419,23 @@ def test_triton_gemv_matches_cublas(rows, shape):
 
 
 def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
-    """With CUDA graphs the GEMV choices are made at startup; a shape still undecided when a step runs takes
-    cuBLAS (timing it clones the weight, captures a graph and synchronises mid-step). Outside steps it is
-    timed as before."""
+    """With CUDA graphs the GEMV choices are made at startup, the eager draft model's included; a shape still
+    undecided when a step runs takes cuBLAS (timing it clones the weight, captures a graph and synchronises
+    mid-step). Outside steps it is timed as before."""
     from specserve.layers import triton_gemv
+    from specserve.layers.linear import Linear
 
     path = tiny_checkpoint("llama", True)
-    config = replace(_tight_config(str(path), max_total_tokens=400), device="cuda", dtype="bfloat16")
+    spec = SpecConfig("DRAFT_MODEL", str(path), 3)
+    config = replace(_tight_config(str(path), max_total_tokens=400), device="cuda", dtype="bfloat16", spec=spec)
     engine, _ = build_engine_core(config, progress=False)
+    draft = engine.runner.proposer.drafter.model
+    for name, linear in draft.named_modules():
+        if isinstance(linear, Linear):
+            silu_mul = name.endswith("mlp.down_proj")
+            x = torch.zeros(16, linear.in_features * (2 if silu_mul else 1), device="cuda", dtype=torch.bfloat16)
+            for rows in triton_gemv.ROW_BUCKETS:
+                assert triton_gemv.choice.key(x[:rows], linear.weight, silu_mul) in triton_gemv.choice.best, name
     timed = []
     monkeypatch.setattr(triton_gemv.choice, "best", {})  # every shape undecided again
     monkeypatch.setattr(triton_gemv.Choice, "_measure", lambda self, key, *args: timed.append(key))
@@ -437,7 +446,7 @@ def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
     while engine.has_work():
         for delta in engine.step():
             produced.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-    assert all(len(tokens) == 6 for tokens in produced.values()) and timed == []
+    assert len(produced) == 3 and all(len(tokens) == 6 for tokens in produced.values()) and timed == []
     weight = engine.runner.model.layers[0].mlp.down_proj.weight
     triton_gemv.choice.tile(torch.randn(2, weight.shape[1], device="cuda", dtype=weight.dtype), weight)
     assert len(timed) == 1

@@ -166,6 +166,10 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
         from specserve.engine.cuda_graphs import DecodeGraphs
         from specserve.layers import triton_gemv
 
+        with torch.inference_mode():
+            for network in (model, draft):
+                if network is not None:
+                    triton_gemv.decide_all(network)
         runner.untimed_gemv = triton_gemv.choice.untimed
 
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an

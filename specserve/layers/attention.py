@@ -267,6 +267,9 @@ def _attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRow
     # The kernel form; its slot mapping is not read (the step's KV is stored before attention).
     kernel_form = AttentionMetadata(slot_mapping=rows.tokens, block_tables=rows.block_tables, seq_lens=rows.seq_lens,
                                     page_size=page_size, num_splits=splits)
+    head_dim = q.shape[-1]
+    if head_dim & (head_dim - 1):  # the kernel tiles the head dimension whole: powers of two only
+        return attend_rows(q, kv_cache, kernel_form, scale)
     return attend(q, q, q, kv_cache, kernel_form, scale)
 
 

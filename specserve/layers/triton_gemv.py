@@ -188,6 +188,25 @@ class Choice:
         return None if times["cublas"] * CUBLAS_MARGIN < times[best_tile] else tiles[best_tile]  # None: cuBLAS
 
 
+def decide_all(module: torch.nn.Module) -> None:
+    """Decides every row bucket of the module's GEMV-eligible weights now, at startup: steps run untimed
+    (`Choice.untimed`), and what their eager calls meet undecided takes cuBLAS for good (a draft model runs
+    eagerly in every drafting step). An MLP's down projection is decided with SiLU-and-multiply folded in,
+    as it is called. Shapes already decided (by the graphs' warm-ups) cost nothing."""
+    from specserve.layers.linear import TRITON_GEMV, Linear
+
+    if not TRITON_GEMV:
+        return
+    for name, linear in module.named_modules():
+        if not isinstance(linear, Linear) or linear.bias is not None or linear.weight.dtype not in DTYPES:
+            continue
+        silu_mul = name.endswith("mlp.down_proj")
+        width = linear.in_features * (2 if silu_mul else 1)
+        for rows in ROW_BUCKETS:
+            x = torch.zeros(rows, width, dtype=linear.weight.dtype, device=linear.weight.device)
+            choice.tile(x, linear.weight, silu_mul)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -11,8 +11,8 @@ Costs are measured, not assumed: the engine reports every pure decode step's dur
 drafted and by batch-size bucket (powers of two). τ_r is the request's mean, drawn towards the recent
 requests' mean while it has drafted little. Until both costs of a bucket are known, the plan measures them,
 drafting first, unless a smaller bucket's costs already show drafting losing for these requests: the
-larger bucket then borrows that break-even until its first probe (a drafting step's cost grows faster with
-the batch than a plain one's, so the break-even does not fall).
+larger bucket then borrows that break-even until probes have timed two of its drafting steps (a drafting
+step's cost grows faster with the batch than a plain one's, so the break-even does not fall).
 The side not in use goes stale, so now and then the other runs for at least `probe_len` steps, until one of
 them is timed: the first step after a switch is not, since it also paid for the switch (under overlap
 scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
@@ -86,7 +86,7 @@ class AdaptivePlan:
         draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
         borrowed = self._borrowed_break_even(requests, size)
         if borrowed is not None and plain is not None and not self._unmeasured(False, size):
-            draft = borrowed * plain  # until drafting is measured here, at the first probe
+            draft = borrowed * plain  # until probes have measured drafting here
         # A step that drafts to measure (not because it pays) lets every request draft (break-even 0):
         # otherwise requests below the break-even would draft nothing, and nothing would be measured.
         self.break_even = 0.0
