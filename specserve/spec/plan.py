@@ -17,12 +17,13 @@ The side not in use goes stale, so now and then the other runs for at least `pro
 them is timed: the first step after a switch is not, since it also paid for the switch (under overlap
 scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
 and as much less often as keeps their measured cost under `probe_budget` of the time: the time the losing
-side gives up in `probe_len` + 1 steps, and for a probe of drafting after a plain spell, the switch itself.
+side gives up in `probe_len` + 1 steps, and the switch back to drafting that either probe brings about.
 While the gate is shut the draft head follows nothing, so the first drafting step catches it up on all its
 requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
 overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows
-with the spell until the spell outlasts the requests, so after a cheap first probe the spacing grows too,
-up to `max_probe_every`.
+with the spell until the spell outlasts the requests, so after a cheap first probe of drafting the spacing
+grows too, up to `max_probe_every`; a probe of plain decode, a short spell, is charged its catch-up all the
+same (on the H200 at batch 1 each cost ~110 ms of host time, ~19 drafting steps).
 A request held back from drafting is due to draft again after `probe_every` pure decode steps without
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
 request that started badly is re-tried, while one due request among many does not open the gate alone.
@@ -147,12 +148,14 @@ class AdaptivePlan:
     def _probe_interval(self, gain: float, draft: float, plain: float, size: int) -> int:
         """Steps of the winning side between probes, in units of a winning step's time. A probe step costs
         the losing side's step time times the share of tokens per second it gives up: with r its step time
-        over the winner's and g its speed over the winner's, r * (1 - g). A probe of drafting also pays the
-        head's catch-up, as long as the last one."""
+        over the winner's and g its speed over the winner's, r * (1 - g). Either probe also pays the head's
+        catch-up, as long as the last one: a probe of drafting starts with it, a probe of plain decode
+        leaves the head behind, and the drafting step after it catches up."""
+        switch = self.switch_cost.get(size, 0.0)
         if gain > 1:  # plain decode is probed: r = t_plain / t_draft, g = 1 / gain
-            loss = (self.config.probe_len + 1) * (1 - 1 / gain) * plain / draft
+            loss = (self.config.probe_len + 1) * (1 - 1 / gain) * plain / draft + switch / draft
         else:
-            loss = (self.config.probe_len + 1) * draft / plain * (1 - gain) + self.switch_cost.get(size, 0.0) / plain
+            loss = (self.config.probe_len + 1) * draft / plain * (1 - gain) + switch / plain
         spacing = loss / self.config.probe_budget
         return int(min(max(self.config.probe_every, spacing), self.config.max_probe_every))
 
