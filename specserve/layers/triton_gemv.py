@@ -148,7 +148,7 @@ class Choice:
     cuBLAS won. A call during CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS
     there (the graphs' warm-up runs decide the shapes they use before capturing); so does one inside
     `untimed()`, which serving steps run in: timing clones the weight, captures a graph and synchronises,
-    ~100 ms that an eager catch-up of the draft head paid at each new row bucket on the H200."""
+    which no step should wait for (`decide_all` decides every shape at startup instead)."""
 
     def __init__(self) -> None:
         self.best: dict[tuple, Tile | None] = {}
