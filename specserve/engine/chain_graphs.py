@@ -350,11 +350,8 @@ def decode_rows_meta(positions: torch.Tensor, slots: torch.Tensor, tables: torch
     elsewhere one single-token query per row, which the CPU's short-query kernel serves (the page-table form
     would gather every row's context apart, which made a 64-request chain step several times slower)."""
     if slots.is_cuda:
-        from specserve.layers.triton_attention import num_splits
-
-        splits = num_splits(slots.numel(), kv_heads, max_context or tables.shape[1] * page_size)
-        return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
-                                 page_size=page_size, num_splits=splits)
+        return AttentionMetadata.for_decode_kernel(slots, tables, (positions + 1).to(torch.int32), page_size, kv_heads,
+                                                   max_context or tables.shape[1] * page_size)
     meta = AttentionMetadata.build([1] * len(positions), positions.tolist(), tables.tolist(), page_size, slots.device)
     return replace(meta, slot_mapping=slots)
 

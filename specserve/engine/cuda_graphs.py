@@ -67,11 +67,8 @@ class DecodeGraphs:
         self._capture(progress)
 
     def _meta(self, bs: int, n: int) -> AttentionMetadata:
-        from specserve.layers.triton_attention import num_splits  # Triton: GPU machines only
-
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.tables[n][:bs],
-                                 seq_lens=self.seq_lens[:bs], page_size=self.page_size,
-                                 num_splits=num_splits(bs, self.model.config.num_kv_heads, n))
+        return AttentionMetadata.for_decode_kernel(self.slot_mapping[:bs], self.tables[n][:bs], self.seq_lens[:bs],
+                                                   self.page_size, self.model.config.num_kv_heads, n)
 
     def _forward(self, bs: int, n: int) -> torch.Tensor:
         meta = self._meta(bs, n)

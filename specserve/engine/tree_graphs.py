@@ -94,16 +94,10 @@ class TreeGraphs(SpecGraphs):
                    shared: bool = False) -> AttentionMetadata:
         """`per_seq` rows per sequence, each one query over its sequence's pages up to seq_lens, then its tail.
         `shared`: a sequence's rows have one context length, so the kernel reads it once for all of them."""
-        rows_per_seq = per_seq if shared else 1
-        splits = 1
-        if self.device.type == "cuda":
-            from specserve.layers.triton_attention import num_splits
-
-            splits = num_splits(bs * per_seq // rows_per_seq, kv_heads, n)
-        return AttentionMetadata(slot_mapping=slots, block_tables=self.tables[n][:bs].repeat_interleave(per_seq, 0),
-                                 seq_lens=seq_lens.to(torch.int32), page_size=self.page_size, num_splits=splits,
-                                 tail_slots=tails, tail_lens=None if tail_lens is None else tail_lens.to(torch.int32),
-                                 rows_per_seq=rows_per_seq)
+        return AttentionMetadata.for_decode_kernel(
+            slots, self.tables[n][:bs].repeat_interleave(per_seq, 0), seq_lens.to(torch.int32), self.page_size,
+            kv_heads, n, tail_slots=tails, tail_lens=None if tail_lens is None else tail_lens.to(torch.int32),
+            rows_per_seq=per_seq if shared else 1)
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
         candidates = self._search(bs, n)

@@ -84,6 +84,20 @@ class AttentionMetadata:
     decode_rows: DecodeRows | None = None  # with groups: the step's single-query rows, by the decode kernel
 
     @classmethod
+    def for_decode_kernel(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          page_size: int, kv_heads: int, max_context: int, **tails) -> "AttentionMetadata":
+        """The paged decode kernel's form: each row of `block_tables` one query (or, with `rows_per_seq` in
+        `tails`, runs of rows sharing a context), contexts up to `max_context` tokens cut into as many
+        slices as fill the GPU (one elsewhere, where the kernel's PyTorch contract runs)."""
+        splits = 1
+        if block_tables.is_cuda:
+            from specserve.layers.triton_attention import num_splits  # Triton: GPU machines only
+
+            splits = num_splits(block_tables.shape[0] // tails.get("rows_per_seq", 1), kv_heads, max_context)
+        return cls(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, page_size=page_size,
+                   num_splits=splits, **tails)
+
+    @classmethod
     def build(
         cls,
         query_lens: list[int],
@@ -259,14 +273,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
 
 def _attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, page_size: int,
                         scale: float) -> torch.Tensor:
-    splits = 1
-    if q.is_cuda:
-        from specserve.layers.triton_attention import num_splits  # Triton: GPU machines only
-
-        splits = num_splits(q.shape[0], kv_cache.shape[2], rows.max_context)
     # The kernel form; its slot mapping is not read (the step's KV is stored before attention).
-    kernel_form = AttentionMetadata(slot_mapping=rows.tokens, block_tables=rows.block_tables, seq_lens=rows.seq_lens,
-                                    page_size=page_size, num_splits=splits)
+    kernel_form = AttentionMetadata.for_decode_kernel(rows.tokens, rows.block_tables, rows.seq_lens, page_size,
+                                                      kv_cache.shape[2], rows.max_context)
     head_dim = q.shape[-1]
     if head_dim & (head_dim - 1):  # the kernel tiles the head dimension whole: powers of two only
         return attend_rows(q, kv_cache, kernel_form, scale)

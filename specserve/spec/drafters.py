@@ -83,13 +83,16 @@ class DraftModelDrafter:
         # Every token from the first the draft has not seen up to the root, itself included.
         passes, chunks = split_catch_up([(s.draft_catchup_ids, s.draft_start_pos) for s in seqs])
         for pieces in passes:
-            meta_seqs = [seqs[b] for b, _, _ in pieces]
-            input_ids, positions, meta, _ = _catch_up_meta([(ids, p) for _, ids, p in pieces], meta_seqs,
-                                                           page_size, self.device)
-            self.model(input_ids, positions, meta, self.kv_cache)
+            self._extend_over([(ids, p) for _, ids, p in pieces], [seqs[b] for b, _, _ in pieces], page_size)
+        hidden, last = self._extend_over(chunks, seqs, page_size)
+        return self.model.compute_logits(hidden[last]), None
+
+    def _extend_over(self, chunks, seqs, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft model over (tokens, first position) chunks, one per sequence: its hidden states, and each
+        chunk's last row."""
         input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
         hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
-        return self.model.compute_logits(hidden[last]), None
+        return hidden, last
 
     def extend(self, tokens, states, positions, meta) -> tuple[torch.Tensor, None]:
         hidden, _ = self.model(tokens, positions, meta, self.kv_cache)

@@ -86,7 +86,7 @@ class AdaptivePlan:
         size = bucket(len(requests))
         draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
         borrowed = self._borrowed_break_even(requests, size)
-        if borrowed is not None and plain is not None and not self._unmeasured(False, size):
+        if borrowed is not None and not self._unmeasured(False, size):
             draft = borrowed * plain  # until probes have measured drafting here
         # A step that drafts to measure (not because it pays) lets every request draft (break-even 0):
         # otherwise requests below the break-even would draft nothing, and nothing would be measured.
