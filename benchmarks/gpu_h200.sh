@@ -7,8 +7,9 @@
 # specsweep: the offline sweep again with an EAGLE-3 chain (3 drafts, simulated tau 3) and a tree (top-4, 5 levels,
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
-# adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive).
-# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep]
+# adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
+# treeadapt: one of them.
+# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
 #        [tax] [profile] [smol] [gemv_ab] [idle]
 #        (none: all)
 set -uo pipefail
@@ -63,9 +64,11 @@ fi
 if want specsweep || want chainsweep; then
   sweep chain "${chain[@]}" --label "EAGLE-3 chain 3 (simulated tau 3)"
 fi
-if want adaptsweep; then
-  # The same chain and tree sweeps with the adaptive draft plan (spec/plan.py) deciding per step and request.
+# The same chain and tree sweeps with the adaptive draft plan (spec/plan.py) deciding per step and request.
+if want adaptsweep || want chainadapt; then
   sweep chain_adaptive "${chain[@]}" --speculative-adaptive --label "EAGLE-3 chain 3 adaptive (simulated tau 3)"
+fi
+if want adaptsweep || want treeadapt; then
   sweep tree_adaptive "${tree[@]}" --speculative-adaptive --label "EAGLE-3 tree 4/5/16 adaptive (simulated tau 4)"
 fi
 if want tax; then

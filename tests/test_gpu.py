@@ -105,6 +105,39 @@ def test_triton_decode_attention_matches_the_reference(dtype, splits):
     torch.testing.assert_close(ours.float(), reference.float(), atol=tolerance, rtol=tolerance)
 
 
+def _compiled_forms(kernel) -> int:
+    """How many specialisations of a Triton kernel this process has compiled (or loaded)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(cache) for cache in kernel.cache.values())
+
+
+def test_eager_decode_rows_compile_nothing_after_warm_up():
+    """Eager calls of the decode kernel (decode rows of steps with prompts, the head's catch-ups) vary the
+    batch, the table width and the slice count at almost every step; after the startup warm-up none of
+    that may compile a new form of the kernels inside a step (each took ~0.1 s)."""
+    from specserve.layers import triton_attention
+    from specserve.layers.attention import AttentionMetadata, attend
+
+    page, heads, kv_heads, dim = 16, 32, 8, 128
+    pool = torch.randn(2, 300 * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    triton_attention.warm_up(heads, pool, page)
+    kernels = (triton_attention._partial_kernel, triton_attention._merge_kernel)
+    before = [_compiled_forms(k) for k in kernels]
+    seen_splits = set()
+    for batch, width in ((1, 1), (1, 7), (1, 16), (2, 33), (3, 48), (5, 20), (9, 64), (17, 250), (40, 3), (64, 17)):
+        tables = torch.randint(0, 300, (batch, width), dtype=torch.int32, device="cuda")
+        lens = torch.randint(1, width * page + 1, (batch,), dtype=torch.int32, device="cuda")
+        meta = AttentionMetadata.for_decode_kernel(lens, tables, lens, page, kv_heads, width * page)
+        seen_splits.add(meta.num_splits)
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+        assert torch.isfinite(attend(q, q, q, pool, meta, dim**-0.5)).all()
+    torch.cuda.synchronize()
+    assert len(seen_splits) >= 5
+    assert [_compiled_forms(k) for k in kernels] == before
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_steps_send_decode_rows_to_the_kernel_with_the_same_result(dtype):
     """A step of prompt chunks (fresh and continued), a 4-token row and decode rows of contexts 1 to 900:

@@ -239,6 +239,54 @@ def test_while_the_gate_is_shut_drafters_stay_behind_and_catch_up_when_it_opens(
     assert (seq_b.num_draft_tokens, seq_b.draft_catchup_ids) == (3, [4, 5, 12])
 
 
+def test_drafting_pays_answers_from_the_measured_costs_without_planning():
+    """What the scheduler asks in steps with prompts: unmeasured buckets count as paying (drafting is measured
+    first there), measured ones by their costs, larger ones by a smaller bucket's losing break-even; asking
+    changes nothing the plan does next."""
+    plan = AdaptivePlan(max_drafts=3)
+    assert not plan.drafting_pays([])
+    assert plan.drafting_pays(_requests(4))  # nothing measured
+    hopeless = _requests(16)
+    _drive(plan, hopeless[:4], PLAIN, DRAFT, lambda r: 1.0, steps=200)  # drafting loses for them at batch 4
+    assert not plan.drafting_pays(hopeless[:4])
+    for request in hopeless[4:]:  # like the first four
+        request.num_spec_steps, request.num_accepted_tokens = 50, 0
+    assert not plan.drafting_pays(hopeless) and (True, 16) not in plan.cost  # borrowed from batch 4
+    winning = AdaptivePlan(max_drafts=3)
+    _drive(winning, _requests(4), PLAIN, DRAFT, lambda r: 3.5, steps=200)
+    assert winning.drafting_pays(_requests(4)) and winning.drafting_pays(_requests(64))  # 64: unmeasured
+    state = (dict(winning.cost), dict(winning._side), winning._planned, winning._streak, winning.break_even)
+    winning.drafting_pays(_requests(4))
+    assert (dict(winning.cost), dict(winning._side), winning._planned, winning._streak, winning.break_even) == state
+
+
+def test_prompt_chunks_are_followed_only_if_the_batch_they_join_is_to_draft():
+    """The gate's last answer belongs to the last pure decode step's batch (a wave's small tail, say); a
+    step with prompts asks the follow gate about the batch it builds: the running requests and the waiting
+    ones that fit beside them."""
+    from specserve.config import SchedulerConfig
+    from specserve.engine.kv_pages import PageAllocator
+    from specserve.engine.scheduler import Scheduler
+
+    asked, pays = [], {"value": False}
+    sched = Scheduler(SchedulerConfig(max_running_requests=3, chunked_prefill_size=4), PageAllocator(100, 4), 512,
+                      draft_plan=lambda request: 3, max_draft_tokens=3, draft_gate=lambda requests: True,
+                      follow_gate=lambda requests: asked.append([r.request_id for r in requests]) or pays["value"])
+    for name in "abcd":
+        sched.add(Request(name, [1, 2, 3], SamplingParams(max_tokens=20), 20))
+    first = sched.schedule().seqs  # a and b admitted (4-token budget: 3 + 1), c and d wait
+    assert [s.request_id for s in first] == ["a", "b"] and asked == [["a", "b", "c"]]  # d does not fit
+    assert all(s.draft_catchup_ids == [] for s in first)  # drafting would not pay: nothing followed
+    pays["value"] = True
+    sched.requests["a"].num_computed_tokens = 3
+    sched.requests["a"].token_ids.append(9)  # a decodes now; b's prompt goes on, c's starts
+    sched.requests["b"].num_computed_tokens = 1
+    seqs = sched.schedule().seqs
+    assert asked[-1] == ["a", "b", "c"]
+    # Followed up to what is known: a's newest token and c's one-token chunk wait for a later step.
+    assert [(s.request_id, s.draft_catchup_ids) for s in seqs] == [("a", [1, 2, 3]), ("b", [1, 2, 3]), ("c", [])]
+
+
 def test_drafting_resumes_when_acceptance_comes_back():
     """Probes let every request draft, even those the last estimate put below the break-even, so a plan that
     stopped drafting for hopeless requests sees better ones when they come."""

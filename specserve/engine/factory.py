@@ -134,15 +134,15 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
     pad_page = use_graphs or use_chain or use_tree
     kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + tree_scratch, dtype, device)
-    proposer, plan, gate, adaptive = None, None, None, None
+    proposer, plan, gate, follow, adaptive = None, None, None, None, None
     if draft is not None:
         proposer = _build_proposer(config, draft, model, num_pages * page_size, kv_cache.shape[2], dtype, device)
         plan = _fixed_plan(config.spec.max_drafts)
         if config.spec.adaptive:
             adaptive = AdaptivePlan(config.spec.max_drafts)
-            plan, gate = adaptive.num_drafts, adaptive.step_drafts
+            plan, gate, follow = adaptive.num_drafts, adaptive.step_drafts, adaptive.drafting_pays
     scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
-                          config.spec.max_drafts, gate)
+                          config.spec.max_drafts, gate, follow)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed,
                          config.scheduler.max_running_requests)
@@ -171,6 +171,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
                 if network is not None:
                     triton_gemv.decide_all(network)
         runner.untimed_gemv = triton_gemv.choice.untimed
+        _warm_up_decode_kernel(model_cfg, kv_cache, page_size)
+        if proposer is not None:
+            _warm_up_decode_kernel(_attention_config(draft), proposer.drafter.kv_cache, page_size)
 
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
@@ -207,6 +210,19 @@ def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, d
     if draft_cfg.vocab_size > target_cfg.vocab_size:
         raise ValueError("the draft model's vocabulary is larger than the target's: not the same tokenizer")
     return build_model(draft_cfg, path, dtype, device, max_model_len, config.random_seed, progress)
+
+
+def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: int) -> None:
+    """Eager calls of the decode kernel (decode rows of steps with prompts, the draft's catch-ups) would
+    otherwise compile its forms inside serving steps."""
+    if cfg.head_dim & (cfg.head_dim - 1) == 0:  # other head dims take the PyTorch path
+        from specserve.layers import triton_attention
+
+        triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)
+
+
+def _attention_config(draft: torch.nn.Module) -> ModelConfig:
+    return draft.config.model if _is_eagle3(draft) else draft.config
 
 
 def _is_eagle3(draft: torch.nn.Module) -> bool:

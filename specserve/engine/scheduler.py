@@ -7,6 +7,8 @@ request is preempted: its pages are freed and it returns to the front of the que
 """
 from __future__ import annotations
 
+import itertools
+
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -67,6 +69,7 @@ class Scheduler:
         draft_plan: Callable[[Request], int] | None = None,
         max_draft_tokens: int = 0,
         draft_gate: Callable[[list[Request]], bool] | None = None,
+        follow_gate: Callable[[list[Request]], bool] | None = None,
     ) -> None:
         self.config = config
         # How many tokens to draft for a decoding request this step (at most max_draft_tokens, what the
@@ -75,6 +78,9 @@ class Scheduler:
         # Whether a step of only decoding requests drafts at all (spec/plan.py); None: whenever it can.
         self.draft_gate = draft_gate
         self._gate_open = True  # its last answer
+        # Whether drafting would pay for a batch, asked in steps with prompts: their chunks are worth following
+        # only if the batch they join is to draft (spec/plan.py); None: the gate's last answer decides.
+        self.follow_gate = follow_gate
         self.max_draft_tokens = max_draft_tokens
         self.allocator = allocator
         self.max_model_len = max_model_len
@@ -125,7 +131,8 @@ class Scheduler:
         are pending, decoding requests still join every step, without drafts: they never wait on prompts. A
         draft gate (the adaptive plan) may keep a step from drafting; while it does, drafters stay behind."""
         drafting = False
-        if self.draft_plan is not None and not self._prompt_work_pending():
+        prompts_pending = self.draft_plan is not None and self._prompt_work_pending()
+        if self.draft_plan is not None and not prompts_pending:
             # A drafter left behind while the gate was shut catches up in the next step that drafts for it.
             drafting = self._gate_opens()
         budget = self.config.chunked_prefill_size
@@ -159,10 +166,20 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, count, 0))
             budget -= count
-        # Drafters follow along only while the gate is open: while drafting does not pay, they stay behind,
-        # and most requests finish before it pays again.
-        extend = self.draft_plan is not None and not drafting and self._gate_open
+        # Drafters follow along only while drafting pays: otherwise they stay behind, and most requests finish
+        # before it pays again.
+        extend = self.draft_plan is not None and not drafting and self._follows(prompts_pending)
         return StepBatch([self._describe(r, n, d, extend) for r, n, d in scheduled], self.allocator.page_size)
+
+    def _follows(self, prompts_pending: bool) -> bool:
+        """Whether drafters follow this step. The gate's last answer was given for the last pure decode step's
+        batch, which in a step with prompts may be long gone (the tail of the previous wave, small enough to
+        draft, while the prompts make a batch too large to): so the follow gate is asked about the batch the
+        prompts join, the running requests and the waiting ones that fit beside them."""
+        if self.follow_gate is None or not prompts_pending:
+            return self._gate_open
+        room = max(0, self.config.max_running_requests - len(self.running))
+        return self.follow_gate(self.running + list(itertools.islice(self.waiting, room)))
 
     def _prompt_work_pending(self) -> bool:
         """A running request still in its prompt, or a waiting one that could be admitted now."""

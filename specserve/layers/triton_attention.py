@@ -48,7 +48,13 @@ def _attend_block(q, K, V, slot, load_ok, see, kv_head, stride_ks, stride_kh, m,
     return m_new, l, acc
 
 
-@triton.jit
+# Kernels are compiled per value of every constexpr, and per integer argument that is 1 or a multiple of 16.
+# The graphs' kernels are compiled at capture, but eager calls (decode rows of steps with prompts, the draft
+# head's catch-up) see a new table width or slice count almost every time, and each new specialisation
+# compiled inside a serving step (~0.1 s). So the arguments that vary with the batch are not specialised on,
+# the slice count is a plain argument (its power-of-two padding the only constexpr), and `warm_up` compiles
+# every form the eager calls can take at startup.
+@triton.jit(do_not_specialize=["stride_tb", "stride_tail", "stride_lb", "CHUNK"])
 def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_tail, stride_ob, stride_oh,
                     stride_os, stride_lb, stride_lh, CHUNK,
@@ -106,9 +112,9 @@ def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
         tl.store(LSE + rows * stride_lb + heads * stride_lh + split, lse, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lb", "SPLITS"])
 def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+                  SPLITS, SPLITS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -128,13 +134,14 @@ def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, st
 # Programs (sequences x KV heads x context slices) that keep every multiprocessor of a large GPU busy.
 TARGET_PROGRAMS = 264
 MIN_SLICE = 64  # context tokens per slice, below which a slice costs more to merge than it saves
+MAX_SPLITS = 32
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
     """Context slices per sequence: a small batch splits its contexts until the GPU is full; a large one
     fills it with sequences alone and needs no merge."""
     wanted = -(-TARGET_PROGRAMS // (batch * kv_heads))
-    return max(1, min(wanted, max_context // MIN_SLICE, 32))
+    return max(1, min(wanted, max_context // MIN_SLICE, MAX_SPLITS))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -182,3 +189,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         **triton_pdl.launch_options(q),
     )
     return out
+
+
+def warm_up(num_heads: int, kv_cache: torch.Tensor, page_size: int) -> None:
+    """Compiles, at startup, every form an eager call with one query row per sequence can take for these
+    heads and this cache ([2, slots, Hkv, D]): unsliced, and each padding of the slice count."""
+    dim = kv_cache.shape[-1]
+    q = torch.zeros(1, num_heads, dim, dtype=kv_cache.dtype, device=kv_cache.device)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=kv_cache.device)
+    lens = torch.ones(1, dtype=torch.int32, device=kv_cache.device)
+    splits = 1
+    while splits <= MAX_SPLITS:
+        paged_decode_attention(q, kv_cache, tables, lens, dim**-0.5, page_size, splits)
+        splits *= 2

@@ -18,7 +18,9 @@ them is timed: the first step after a switch is not, since it also paid for the 
 scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
 and as much less often as keeps their measured cost under `probe_budget` of the time: the time the losing
 side gives up in `probe_len` + 1 steps, and the switch back to drafting that either probe brings about.
-While the gate is shut the draft head follows nothing, so the first drafting step catches it up on all its
+While the gate is shut the draft head follows nothing, and in steps with prompts it follows their chunks only
+if drafting pays for the batch they join (`drafting_pays`: the gate's last answer was for the last decode
+step's batch, at the end of a wave a small one), so the first drafting step catches it up on all its
 requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
 overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows
 with the spell until the spell outlasts the requests, so after a cheap first probe of drafting the spacing
@@ -107,6 +109,20 @@ class AdaptivePlan:
         self._streak = self._streak + 1 if self._observed == key else 1
         self._planned = key
         return choice
+
+    def drafting_pays(self, requests: list[Request]) -> bool:
+        """Whether a step drafting for `requests` would pay by what is measured now; plans nothing. Where the
+        bucket is unmeasured it counts as paying (drafting is measured first there), unless a smaller bucket
+        shows that it loses. The scheduler asks this in steps with prompts: the draft head follows their
+        chunks only if the batch they join is to draft."""
+        if not requests:
+            return False
+        size = bucket(len(requests))
+        if self._borrowed_break_even(requests, size) is not None:
+            return False
+        if self._unmeasured(True, size) or self._unmeasured(False, size):
+            return True
+        return self._gain(requests, self.cost[(True, size)] / self.cost[(False, size)]) > 1
 
     def _borrowed_break_even(self, requests: list[Request], size: int) -> float | None:
         """While drafting is unmeasured in this bucket: the break-even of the largest smaller bucket with both
