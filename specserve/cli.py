@@ -41,8 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens verified per request per step, root included (default: steps * topk + 1)")
     s.add_argument("--speculative-adaptive", dest="speculative_adaptive", action="store_true", default=None,
                    help="draft only in steps and for requests where it pays, by measured step cost and "
-                        "acceptance (default for serve and generate on a CPU; elsewhere every step drafts "
-                        "unless given it)")
+                        "acceptance (default for serve and generate; in benchmarks every step drafts unless "
+                        "given it)")
     s.add_argument("--disable-speculative-adaptive", dest="speculative_adaptive", action="store_false",
                    help="draft in every decode step with no prompt pending")
     s.add_argument("--speculative-simulate-accept-len", type=float, default=None,
@@ -72,11 +72,10 @@ def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> Engin
 
 def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecConfig:
     """The embedded default model ships a trained head: EAGLE3 without a head path uses it, and with
-    `bundled_head` it is on unless --speculative-algorithm NONE. On a GPU it stays off by default: its chain
-    steps pay at batch 1 (1.33x on an H200) but lose at 80 conversations (0.82x), and the adaptive plan that
-    would stop them there is not yet measured on a GPU. With `bundled_head` (serve, generate) on a CPU,
-    drafting adapts unless --disable-speculative-adaptive; elsewhere it drafts every step unless
-    --speculative-adaptive."""
+    `bundled_head` it is on unless --speculative-algorithm NONE. On a GPU the head stays off by default: its
+    chain steps pay at batch 1 (1.33x on an H200) but lose at 80 conversations (0.82x), and the adaptive plan
+    was measured there only with simulated acceptance. With `bundled_head` (serve, generate), drafting adapts
+    unless --disable-speculative-adaptive; benchmarks draft every step unless --speculative-adaptive."""
     from specserve import draft_heads
 
     algorithm, head = args.speculative_algorithm, args.speculative_draft_model_path
@@ -91,8 +90,8 @@ def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecCon
         steps = draft_heads.SMOLLM2_DEFAULT_STEPS if steps is None else steps
         topk = draft_heads.SMOLLM2_DEFAULT_TOPK if topk is None else topk
     adaptive = args.speculative_adaptive
-    if adaptive is None:  # measured on a CPU; on a GPU it waits for its own figures
-        adaptive = bundled_head and _runs_on_cpu(args)
+    if adaptive is None:
+        adaptive = bundled_head
     return SpecConfig(algorithm, head, 3 if steps is None else steps, 1 if topk is None else topk,
                       args.speculative_num_draft_tokens, args.speculative_simulate_accept_len, adaptive)
 

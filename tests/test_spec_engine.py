@@ -333,7 +333,9 @@ def test_the_embedded_default_model_speculates_with_the_bundled_head_by_default(
     with pytest.raises(ValueError, match="at least 1"):
         spec_of("--speculative-num-steps", "0")
     gpu = build_parser().parse_args(["serve", "--device", "cuda"])
-    assert engine_config(gpu, bundled_head=True).spec.algorithm is None  # eager drafting would cost there
+    assert engine_config(gpu, bundled_head=True).spec.algorithm is None  # measured to lose under load there
+    gpu_head = build_parser().parse_args(["serve", "--device", "cuda", "--speculative-algorithm", "EAGLE3"])
+    assert engine_config(gpu_head, bundled_head=True).spec.adaptive  # asked for: it adapts on any device
 
 
 @pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 3, None), (4, 5, 16)])
