@@ -118,9 +118,9 @@ def attention_tiles(kv_cache, heads: int, batch: int, context: int, page_size: i
     q = torch.randn(batch, heads, layer_cache.shape[-1], dtype=layer_cache.dtype, device="cuda")
     splits = num_splits(batch, layer_cache.shape[2], pages * page_size)
     rows = []
-    for block, warps, stages in ((32, 4, 3), (32, 4, 2), (64, 4, 3), (64, 8, 3), (64, 4, 4), (128, 8, 3)):
+    for block, warps, stages in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 4, 5), (64, 8, 4), (128, 4, 3)):
         run = lambda cache: paged_decode_attention(q, cache, tables, lens, 0.088, page_size, splits,  # noqa: E731
-                                                   block, warps, stages)
+                                                   tile=(block, warps, stages))
         us = graph_time(run, [kv_cache[i] for i in range(8)]) * 1e3
         kv_bytes = 2 * batch * (context + 1) * layer_cache.shape[2] * layer_cache.shape[3] * 2
         rows.append({"batch": batch, "context": context, "splits": splits, "block": block, "warps": warps,
