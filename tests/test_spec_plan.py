@@ -269,9 +269,14 @@ def test_prompt_chunks_are_followed_only_if_the_batch_they_join_is_to_draft():
     from specserve.engine.scheduler import Scheduler
 
     asked, pays = [], {"value": False}
+
+    def follow_gate(requests):
+        asked.append([r.request_id for r in requests])
+        return pays["value"]
+
     sched = Scheduler(SchedulerConfig(max_running_requests=3, chunked_prefill_size=4), PageAllocator(100, 4), 512,
                       draft_plan=lambda request: 3, max_draft_tokens=3, draft_gate=lambda requests: True,
-                      follow_gate=lambda requests: asked.append([r.request_id for r in requests]) or pays["value"])
+                      follow_gate=follow_gate)
     for name in "abcd":
         sched.add(Request(name, [1, 2, 3], SamplingParams(max_tokens=20), 20))
     first = sched.schedule().seqs  # a and b admitted (4-token budget: 3 + 1), c and d wait

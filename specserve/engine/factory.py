@@ -171,14 +171,15 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
                 if network is not None:
                     triton_gemv.decide_all(network)
         runner.untimed_gemv = triton_gemv.choice.untimed
-        _warm_up_decode_kernel(model_cfg, kv_cache, page_size)
-        if proposer is not None:
-            _warm_up_decode_kernel(_attention_config(draft), proposer.drafter.kv_cache, page_size)
 
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
         runner.graphs = DecodeGraphs(model, kv_cache, num_pages * page_size, max_bs, max_model_len, page_size,
                                      progress, proposer, record_layers)
+    if device.type == "cuda":
+        _warm_up_decode_kernel(model_cfg, kv_cache, page_size)
+        if proposer is not None:
+            _warm_up_decode_kernel(_attention_config(draft), proposer.drafter.kv_cache, page_size)
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
     overlap = device.type == "cuda" and not config.disable_overlap
     return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap, adaptive), resolved

@@ -175,11 +175,13 @@ class Scheduler:
         """Whether drafters follow this step. The gate's last answer was given for the last pure decode step's
         batch, which in a step with prompts may be long gone (the tail of the previous wave, small enough to
         draft, while the prompts make a batch too large to): so the follow gate is asked about the batch the
-        prompts join, the running requests and the waiting ones that fit beside them."""
+        prompts join, the running requests still to decode and as many waiting ones as the running limit
+        leaves room for (by count: whether their pages fit is not asked)."""
         if self.follow_gate is None or not prompts_pending:
             return self._gate_open
+        decoding = [r for r in self.running if not self._awaits_last_token(r)]
         room = max(0, self.config.max_running_requests - len(self.running))
-        return self.follow_gate(self.running + list(itertools.islice(self.waiting, room)))
+        return self.follow_gate(decoding + list(itertools.islice(self.waiting, room)))
 
     def _prompt_work_pending(self) -> bool:
         """A running request still in its prompt, or a waiting one that could be admitted now."""
@@ -262,12 +264,12 @@ class Scheduler:
         start = request.num_computed_tokens
         sample = start + count == request.num_tokens
         seed = request.params.seed
-        # What the drafter catches up on: everything up to the root when it drafts. While the draft gate is
-        # open (`extend`), also prompt chunks in the step that computes them, and in a step held back from
-        # drafting by pending prompts, decoding requests' known tokens (all but the newest, which under
-        # overlap may still be a placeholder), so the next drafting step has at most the two newest to catch
-        # up on. While the gate is shut nothing: speculation that does not pay costs nothing, and the next
-        # step that drafts for a request catches up on all it missed.
+        # What the drafter catches up on: everything up to the root when it drafts. While drafting pays
+        # (`extend`: the gate's last answer, or in steps with prompts the follow gate's), also prompt chunks in
+        # the step that computes them, and in a step held back from drafting by pending prompts, decoding
+        # requests' known tokens (all but the newest, which under overlap may still be a placeholder), so the
+        # next drafting step has at most the two newest to catch up on. Otherwise nothing: speculation that
+        # does not pay costs nothing, and the next step that drafts for a request catches up on all it missed.
         catch_up_end = request.num_draft_computed_tokens
         if self.draft_plan is not None and (drafts > 0 or count > 1 and extend):
             catch_up_end = start + count

@@ -56,10 +56,11 @@ def _attend_block(q, K, V, slot, load_ok, see, kv_head, stride_ks, stride_kh, m,
 # Kernels are compiled per value of every constexpr, and per integer argument that is 1 or a multiple of 16.
 # The graphs' kernels are compiled at capture, but eager calls (decode rows of steps with prompts, the draft
 # head's catch-up) see a new table width or slice count almost every time, and each new specialisation
-# compiled inside a serving step (~0.1 s). So the arguments that vary with the batch are not specialised on,
-# the slice count is a plain argument (its power-of-two padding the only constexpr), and `warm_up` compiles
-# every form the eager calls can take at startup.
-@triton.jit(do_not_specialize=["stride_tb", "stride_tail", "stride_lb", "CHUNK"])
+# compiled inside a serving step (~0.1 s). So the arguments that vary with the batch are not specialised on
+# (the table and tail widths, the chunk length, and the log-sum-exp strides, which are multiples of the slice
+# count), the slice count is a plain argument (its power-of-two padding the only constexpr), and `warm_up`
+# compiles every form the eager calls can take at startup.
+@triton.jit(do_not_specialize=["stride_tb", "stride_tail", "stride_lb", "stride_lh", "CHUNK"])
 def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_tail, stride_ob, stride_oh,
                     stride_os, stride_lb, stride_lh, CHUNK,
@@ -117,7 +118,7 @@ def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
         tl.store(LSE + rows * stride_lb + heads * stride_lh + split, lse, mask=ok)
 
 
-@triton.jit(do_not_specialize=["stride_lb", "SPLITS"])
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "SPLITS"])
 def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                   SPLITS, SPLITS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     if PDL:

@@ -46,7 +46,7 @@ ROWS_TILES = [Tile(n, k, w, s) for n, k in ((16, 128), (16, 256), (32, 128), (32
               for w, s in ((4, 3), (4, 5))]
 
 
-@triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one compiled form for all
+@triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
 def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.constexpr,
                  ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN: tl.constexpr, PDL: tl.constexpr):

@@ -18,14 +18,14 @@ them is timed: the first step after a switch is not, since it also paid for the 
 scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
 and as much less often as keeps their measured cost under `probe_budget` of the time: the time the losing
 side gives up in `probe_len` + 1 steps, and the switch back to drafting that either probe brings about.
-While the gate is shut the draft head follows nothing, and in steps with prompts it follows their chunks only
-if drafting pays for the batch they join (`drafting_pays`: the gate's last answer was for the last decode
-step's batch, at the end of a wave a small one), so the first drafting step catches it up on all its
-requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
+While the gate is shut the draft head follows no decode step; in steps with prompts it follows their chunks
+only if drafting pays for the batch they join (`drafting_pays`, whatever the gate's last answer, which was
+for the last decode step's batch, at the end of a wave a small one). The first drafting step catches it up on
+all its requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
 overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows
 with the spell until the spell outlasts the requests, so after a cheap first probe of drafting the spacing
 grows too, up to `max_probe_every`; a probe of plain decode, a short spell, is charged its catch-up all the
-same (on the H200 at batch 1 each cost ~110 ms of host time, ~19 drafting steps).
+same.
 A request held back from drafting is due to draft again after `probe_every` pure decode steps without
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
 request that started badly is re-tried, while one due request among many does not open the gate alone.
@@ -59,8 +59,9 @@ def bucket(batch_size: int) -> int:
 
 
 class AdaptivePlan:
-    """The scheduler asks `step_drafts` once per pure decode step, then `num_drafts` per request; the engine
-    reports step times to `observe_step` and verdicts to `observe_acceptance`."""
+    """The scheduler asks `step_drafts` once per pure decode step, then `num_drafts` per request, and
+    `drafting_pays` in steps with prompts; the engine reports step times to `observe_step` and verdicts to
+    `observe_acceptance`."""
 
     def __init__(self, max_drafts: int, config: AdaptiveConfig = AdaptiveConfig()) -> None:
         self.max_drafts = max_drafts
@@ -111,10 +112,11 @@ class AdaptivePlan:
         return choice
 
     def drafting_pays(self, requests: list[Request]) -> bool:
-        """Whether a step drafting for `requests` would pay by what is measured now; plans nothing. Where the
-        bucket is unmeasured it counts as paying (drafting is measured first there), unless a smaller bucket
-        shows that it loses. The scheduler asks this in steps with prompts: the draft head follows their
-        chunks only if the batch they join is to draft."""
+        """Whether a step drafting for `requests` would pay by what is measured now; plans nothing. Where a
+        side of the bucket is unmeasured it counts as paying (the plan measures both before it settles, and
+        measuring drafting needs the head caught up), unless a smaller bucket shows that drafting loses. The
+        scheduler asks this in steps with prompts: the draft head follows their chunks only if the batch they
+        join is to draft."""
         if not requests:
             return False
         size = bucket(len(requests))
