@@ -8,7 +8,6 @@ request is preempted: its pages are freed and it returns to the front of the que
 from __future__ import annotations
 
 import itertools
-
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
