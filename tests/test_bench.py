@@ -121,6 +121,25 @@ def test_offline_mode_reports_the_step_breakdown(tiny_chat_model, tmp_path):
     _valid_png(out.with_suffix(".png"))
 
 
+def test_step_kinds_run_from_one_read_back_to_the_next(monkeypatch):
+    """Under overlap a step is read back while the next one is queued, so the time between two read-backs is
+    the device time of the step read back: a 350 ms prompt step followed by 12 ms decode steps must not show
+    as a slow decode step (timed from one step's start to the next, the first decode step carried it)."""
+    import torch
+
+    from specserve.engine import phases
+
+    clock = iter([0.0, 0.350, 0.362, 0.374, 0.386])
+    monkeypatch.setattr(phases.time, "perf_counter", lambda: next(clock))
+    timer = phases.PhaseTimer(torch.device("cpu"))
+    timer.step_started(None)  # the run's first start: t = 0 (the batch itself is not read)
+    for kind in ("prompt", "decode", "decode", "decode"):
+        timer.step_read(kind)
+    kinds = timer.step_kinds()
+    assert kinds["prompt"]["steps"] == 1 and kinds["prompt"]["mean_ms"] == pytest.approx(350.0)
+    assert kinds["decode"]["steps"] == 3 and kinds["decode"]["mean_ms"] == pytest.approx(12.0)
+
+
 def test_simulated_acceptance_mean_is_tau_within_5_percent(tiny_checkpoint, tmp_path):
     """Over 200 speculative steps of mixed requests, tokens per step average tau."""
     from dataclasses import replace

@@ -67,6 +67,7 @@ class _InFlight:
 
     output: object  # runner.StepOutput
     placeholders: list[tuple[Request, int]]
+    kind: str  # StepBatch.kind
 
 
 class StepObserver(Protocol):
@@ -126,7 +127,7 @@ class EngineCore:
         if not batch.seqs:
             return self._read_back()
         self.timer.steps += 1
-        self.timer.step_started(batch)  # a step's schedule phase counts for the step before
+        self.timer.step_started(batch)  # the first step starts the clock of the step kinds (phases.py)
         deltas = self._run(batch)
         # A step after which the engine may sit idle has no next start to time it by.
         self._last_step = (batch, start) if self.has_work() else None
@@ -158,6 +159,7 @@ class EngineCore:
         except Exception:
             log.exception("step failed; retrying its requests one by one")
             return deltas + self._step_each_alone(batch)
+        self.timer.step_read(batch.kind)
         with self.timer.phase("postprocess"):
             return deltas + self._postprocess(batch, sampled)
 
@@ -192,7 +194,7 @@ class EngineCore:
             if seq.sample:
                 request.token_ids.append(next(placeholders))
                 pending.append((request, request.num_tokens - 1))
-        return _InFlight(output, pending)
+        return _InFlight(output, pending, batch.kind)
 
     def _read_back(self) -> list[TokenDelta]:
         """Reads the step in flight back and replaces its placeholders; stop conditions apply as usual."""
@@ -202,6 +204,7 @@ class EngineCore:
         flight, self.in_flight = self.in_flight, None
         with self.timer.phase("wait"):
             sampled = flight.output.tokens()
+        self.timer.step_read(flight.kind)
         deltas = []
         with self.timer.phase("postprocess"):
             for (request, index), (token,) in zip(flight.placeholders, sampled):

@@ -1,7 +1,12 @@
 """Where a step's time goes: schedule, draft (the general search, its catch-up included), catch_up (the step
 programs' backlog pass), prepare, forward, follow (the draft head extending over tokens of steps without
 drafts), sample/verify, postprocess; and
-how the steps' time splits between kinds of step (prompt work, plain decode, drafting decode).
+how the steps' time splits between kinds of step (prompt work, plain decode, drafting decode). A step's time
+runs from the read-back of the step before to its own read-back. Under overlap scheduling the host reads a
+step back while the next one is queued, so that is the time the device took for it; timed from one step's
+start to the next's instead, each step would carry the one before it (the first decode step after a prompt
+step, that prompt step's device time). A step that samples nothing (prompt chunks alone) is not waited for,
+so its device time lands in the next step read back.
 
 Off by default (a no-op). The offline benchmark switches it on; on a GPU it then synchronises at each phase
 boundary so device time lands in the phase that queued it, which makes the step itself a little slower.
@@ -23,24 +28,26 @@ class PhaseTimer:
         self.sync = device.type == "cuda"
         self.totals: dict[str, float] = defaultdict(float)
         self.steps = 0
-        # kind -> [steps, seconds], each step timed from its start to the next step's start
+        # kind -> [steps, seconds], each step timed from the read-back before it to its own
         self.kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-        self._open: tuple[str, float] | None = None
+        self._last_read: float | None = None
 
     def step_started(self, batch) -> None:
-        """Closes the step before (its time runs to this start) and opens `batch`'s (a StepBatch)."""
+        """The first step's start is where the first step's time begins."""
+        if self._last_read is None:
+            self._last_read = time.perf_counter()
+
+    def step_read(self, kind: str) -> None:
+        """A step of `kind` was read back (its tokens are on the host)."""
         now = time.perf_counter()
-        self.stop()
-        self._open = (batch.kind, now)
+        entry = self.kinds[kind]
+        entry[0] += 1
+        entry[1] += now - (self._last_read if self._last_read is not None else now)
+        self._last_read = now
 
     def stop(self) -> None:
-        """Closes the open step: after the last one, when the run ends."""
-        if self._open is not None:
-            kind, start = self._open
-            entry = self.kinds[kind]
-            entry[0] += 1
-            entry[1] += time.perf_counter() - start
-            self._open = None
+        """Ends the run: a later step starts timing afresh."""
+        self._last_read = None
 
     @contextmanager
     def phase(self, name: str):
@@ -70,6 +77,9 @@ class NoTimer:
     steps = 0
 
     def step_started(self, batch) -> None:
+        pass
+
+    def step_read(self, kind: str) -> None:
         pass
 
     def stop(self) -> None:
