@@ -132,7 +132,7 @@ def test_step_kinds_run_from_one_read_back_to_the_next(monkeypatch):
     clock = iter([0.0, 0.350, 0.362, 0.374, 0.386])
     monkeypatch.setattr(phases.time, "perf_counter", lambda: next(clock))
     timer = phases.PhaseTimer(torch.device("cpu"))
-    timer.step_started(None)  # the run's first start: t = 0 (the batch itself is not read)
+    timer.step_started()  # the run's first start: t = 0
     for kind in ("prompt", "decode", "decode", "decode"):
         timer.step_read(kind)
     kinds = timer.step_kinds()

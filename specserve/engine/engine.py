@@ -127,7 +127,7 @@ class EngineCore:
         if not batch.seqs:
             return self._read_back()
         self.timer.steps += 1
-        self.timer.step_started(batch)  # the first step starts the clock of the step kinds (phases.py)
+        self.timer.step_started()  # the first step starts the clock of the step kinds (phases.py)
         deltas = self._run(batch)
         # A step after which the engine may sit idle has no next start to time it by.
         self._last_step = (batch, start) if self.has_work() else None

@@ -14,6 +14,7 @@ from specserve.engine.engine import EngineCore
 from specserve.engine.kv_pages import PageAllocator
 from specserve.engine.runner import ModelRunner, allocate_kv_cache, kv_bytes_per_token, plan_num_pages
 from specserve.engine.scheduler import Scheduler
+from specserve.layers.attention import decode_kernel_takes
 from specserve.models.eagle3 import Eagle3Head
 from specserve.models.loader import build_model, load_eagle3_head
 from specserve.spec.drafters import DraftModelDrafter, Eagle3Drafter
@@ -216,7 +217,7 @@ def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, d
 def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: int) -> None:
     """Eager calls of the decode kernel (decode rows of steps with prompts, the draft's catch-ups) would
     otherwise compile its forms inside serving steps."""
-    if cfg.head_dim & (cfg.head_dim - 1) == 0:  # other head dims take the PyTorch path
+    if decode_kernel_takes(cfg.head_dim):  # other head dims take the PyTorch path
         from specserve.layers import triton_attention
 
         triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)

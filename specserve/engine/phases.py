@@ -32,7 +32,7 @@ class PhaseTimer:
         self.kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         self._last_read: float | None = None
 
-    def step_started(self, batch) -> None:
+    def step_started(self) -> None:
         """The first step's start is where the first step's time begins."""
         if self._last_read is None:
             self._last_read = time.perf_counter()
@@ -76,7 +76,7 @@ class PhaseTimer:
 class NoTimer:
     steps = 0
 
-    def step_started(self, batch) -> None:
+    def step_started(self) -> None:
         pass
 
     def step_read(self, kind: str) -> None:

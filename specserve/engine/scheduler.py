@@ -178,9 +178,8 @@ class Scheduler:
         leaves room for (by count: whether their pages fit is not asked)."""
         if self.follow_gate is None or not prompts_pending:
             return self._gate_open
-        decoding = [r for r in self.running if not self._awaits_last_token(r)]
         room = max(0, self.config.max_running_requests - len(self.running))
-        return self.follow_gate(decoding + list(itertools.islice(self.waiting, room)))
+        return self.follow_gate(self._decoding() + list(itertools.islice(self.waiting, room)))
 
     def _prompt_work_pending(self) -> bool:
         """A running request still in its prompt, or a waiting one that could be admitted now."""
@@ -199,10 +198,14 @@ class Scheduler:
 
     def _gate_opens(self) -> bool:
         """Asks the gate about the decoding requests; with none, there is nothing to ask and nothing to draft."""
-        decoding = [r for r in self.running if not self._awaits_last_token(r)]
+        decoding = self._decoding()
         if self.draft_gate is not None and decoding:
             self._gate_open = self.draft_gate(decoding)
         return bool(decoding) and self._gate_open
+
+    def _decoding(self) -> list[Request]:
+        """The running requests that still need steps."""
+        return [r for r in self.running if not self._awaits_last_token(r)]
 
     def _awaits_last_token(self, request: Request) -> bool:
         """With overlap, a request whose last allowed token is still being sampled needs no more steps."""

@@ -276,10 +276,14 @@ def _attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRow
     # The kernel form; its slot mapping is not read (the step's KV is stored before attention).
     kernel_form = AttentionMetadata.for_decode_kernel(rows.tokens, rows.block_tables, rows.seq_lens, page_size,
                                                       kv_cache.shape[2], rows.max_context)
-    head_dim = q.shape[-1]
-    if head_dim & (head_dim - 1):  # the kernel tiles the head dimension whole: powers of two only
+    if not decode_kernel_takes(q.shape[-1]):
         return attend_rows(q, kv_cache, kernel_form, scale)
     return attend(q, q, q, kv_cache, kernel_form, scale)
+
+
+def decode_kernel_takes(head_dim: int) -> bool:
+    """The decode kernel tiles the head dimension whole: powers of two only."""
+    return head_dim & (head_dim - 1) == 0
 
 
 def attend_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -124,7 +124,7 @@ class AdaptivePlan:
             return False
         if self._unmeasured(True, size) or self._unmeasured(False, size):
             return True
-        return self._gain(requests, self.cost[(True, size)] / self.cost[(False, size)]) > 1
+        return self._gain(requests, self._measured_break_even(size)) > 1
 
     def _borrowed_break_even(self, requests: list[Request], size: int) -> float | None:
         """While drafting is unmeasured in this bucket: the break-even of the largest smaller bucket with both
@@ -138,9 +138,11 @@ class AdaptivePlan:
                  if drafted and b < size and not self._unmeasured(True, b) and not self._unmeasured(False, b)]
         if not known:
             return None
-        nearest = max(known)
-        break_even = self.cost[(True, nearest)] / self.cost[(False, nearest)]
+        break_even = self._measured_break_even(max(known))
         return break_even if self._gain(requests, break_even) <= 1 else None
+
+    def _measured_break_even(self, size: int) -> float:
+        return self.cost[(True, size)] / self.cost[(False, size)]
 
     def _unmeasured(self, drafted: bool, size: int) -> bool:
         """Fewer than two step times: the lower median of two cannot be one outlier."""
