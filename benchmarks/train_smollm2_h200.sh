@@ -36,7 +36,7 @@ job() {
     --data $T/sharegpt_turns.jsonl --num-prompts ${NUM_PROMPTS:-54109} --max-tokens 256 --max-len 640 --dp-size 4 \
     --max-total-tokens 1000000 --max-running-requests 1024 --chunked-prefill-size 16384 --gen-batch 256 \
     --draft-vocab-size 14336 --batch-size ${BATCH_SIZE:-32} --lr ${LR:-4e-4} --warmup-steps 100 \
-    --train-minutes ${TRAIN_MINUTES:-15} --checkpoint-every 1000 --eval-samples 512 --out $out || return 1
+    --train-minutes ${TRAIN_MINUTES:-15} --checkpoint-every ${CHECKPOINT_EVERY:-2000} --eval-samples 512 --out $out || return 1
   touch $T/head_done
   python3 -m specserve.cli eval-draft --target "$model" --device cuda --dtype float32 --draft $out \
     --data $T/question.jsonl --concurrency 80 --max-tokens 256 --tree 4 8 16 --tree 4 5 16 \

@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup-steps", type=int, default=50)
     train.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth")
     train.add_argument("--step-decay", type=float, default=0.8, help="unroll step k's loss weighs this**k")
+    train.add_argument("--length-pool", type=_at_least(1), default=64,
+                       help="batches are cut from this many batches' worth of shuffled samples sorted by "
+                            "length, so they pad little (1: random batches)")
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     train.add_argument("--max-shard-mib", type=int, default=16, help="split the saved head into shards this large")

@@ -135,6 +135,49 @@ def test_held_out_samples_are_a_fixed_disjoint_tenth_at_most():
     assert [id(s) for s in none_held[0]] == [id(s) for s in samples] and none_held[1] == []
 
 
+def test_length_sorted_batches_cover_a_pass_once_with_little_padding():
+    from specserve.train.trainer import length_sorted_batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 640, (1000,), generator=g).tolist()
+    batches = length_sorted_batches(lengths, batch_size=8, pool=16, seed=5)
+    flat = [i for b in batches for i in b]
+    assert len(batches) == 125 and all(len(b) == 8 for b in batches) and sorted(flat) == list(range(1000))
+
+    def padded_tokens(groups):
+        return sum(len(b) * max(lengths[i] for i in b) for b in groups)
+
+    shuffled = torch.randperm(1000, generator=g).tolist()
+    random_batches = [shuffled[i:i + 8] for i in range(0, 1000, 8)]
+    assert padded_tokens(batches) < 0.7 * padded_tokens(random_batches)
+    assert padded_tokens(batches) < 1.1 * sum(lengths)
+    # Long and short batches are interleaved through the pass, not in pool order.
+    assert batches != sorted(batches, key=lambda b: lengths[b[0]])
+    assert length_sorted_batches(lengths, 8, 16, seed=5) == batches != length_sorted_batches(lengths, 8, 16, seed=6)
+    # The remainder sits the pass out; fewer samples than a batch make one batch.
+    assert sorted(i for b in length_sorted_batches(lengths[:21], 8, 16, 0) for i in b) != list(range(21))
+    assert len(length_sorted_batches(lengths[:21], 8, 16, 0)) == 2
+    assert sorted(length_sorted_batches(lengths[:5], 8, 16, 0)[0]) == list(range(5))
+    # pool 1 sorts nothing across batches: each batch is one slice of the shuffled order.
+    unsorted = length_sorted_batches(lengths, 8, 1, seed=5)
+    assert padded_tokens(unsorted) > 0.9 * padded_tokens(random_batches)
+
+
+def test_trainer_batches_walk_passes_in_order(tmp_path):
+    from specserve.train.trainer import TrainConfig, Trainer, length_sorted_batches, new_head
+
+    target, samples = _Target().requires_grad_(False), _fake_samples(10, 0)
+    cfg = TrainConfig(steps=6, batch_size=3, warmup_steps=2, ttt_steps=2, length_pool=2, seed=1)
+    trainer = Trainer(new_head(target, torch.arange(40), 256, 0), target, samples, cfg, tmp_path)
+    lengths = [len(s.input_ids) for s in samples]
+    for step in (0, 2, 3, 7, 1):  # out of order, across passes of 3 batches
+        number, index = divmod(step, 3)
+        expected = length_sorted_batches(lengths, 3, 2, 1 * 1_000_003 + number)[index]
+        assert trainer.batch(step).input_ids.shape == (3, max(lengths[i] for i in expected))
+        torch.testing.assert_close(trainer.batch(step).input_ids[:, :6],
+                                   torch.stack([samples[i].input_ids[:6] for i in expected]))
+
+
 def test_resuming_continues_the_same_schedule(tmp_path):
     from specserve.train.trainer import TrainConfig, Trainer, new_head
 

@@ -63,7 +63,8 @@ def run_train_draft(engine_config: EngineConfig, args: argparse.Namespace) -> di
     head = new_head(model, draft_ids, model.config.max_position_embeddings, args.seed)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, step_decay=args.step_decay,
-                      seed=args.seed, checkpoint_every=args.checkpoint_every, minutes=args.train_minutes)
+                      seed=args.seed, checkpoint_every=args.checkpoint_every, minutes=args.train_minutes,
+                      length_pool=args.length_pool)
     trainer = Trainer(head, model, samples, cfg, out, held_out)
     num_samples, num_held_out = len(samples), len(held_out)
     num_answer_tokens = int(sum(s.loss_mask.sum() for s in samples))

@@ -32,6 +32,9 @@ class TrainConfig:
     step_decay: float = 0.8  # unroll step k's loss weighs step_decay**k
     seed: int = 0
     checkpoint_every: int = 200
+    # Batches are cut from pools of this many batches' worth of shuffled samples, sorted by length, so a
+    # batch pads to about its own samples' length rather than to the longest of a random draw (1: no sorting).
+    length_pool: int = 64
     # When set, `steps` is fixed at the end of warm-up (whose learning rates do not depend on it) so that the
     # whole run takes about this many minutes at the speed measured during warm-up.
     minutes: float | None = None
@@ -39,6 +42,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.step_decay <= 0:
             raise ValueError("step_decay must be positive")
+        if self.length_pool < 1:
+            raise ValueError("length_pool must be at least 1")
         if self.minutes is not None and self.warmup_steps < 5:
             raise ValueError("a time-budgeted run measures its speed during warm-up: use at least 5 warm-up steps")
 
@@ -80,6 +85,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def length_sorted_batches(lengths: Sequence[int], batch_size: int, pool: int, seed: int) -> list[list[int]]:
+    """One pass over the samples as batches of indices: shuffled, cut into pools of `pool` batches whose
+    samples are sorted by length, so each batch holds samples of similar length, and the batches shuffled
+    again. Each sample is in at most one batch; the remainder that does not fill a batch sits this pass out
+    (all samples form one batch when there are fewer than `batch_size`)."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    batches = []
+    for start in range(0, len(order), batch_size * pool):
+        chunk = sorted(order[start:start + batch_size * pool], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    full = [b for b in batches if len(b) == batch_size] or batches[:1]
+    return [full[i] for i in torch.randperm(len(full), generator=g).tolist()]
+
+
 def hold_out(samples: list[Sample], count: int, seed: int) -> tuple[list[Sample], list[Sample]]:
     """(train, held-out): `count` samples drawn by `seed` are kept out of training, at most a tenth of them,
     so the agreement measured on them is that on unseen text; the same data and seed give the same split."""
@@ -102,6 +122,8 @@ class Trainer:
         if self.device.type == "cuda":
             samples, held_out = _samples_on_gpu([*samples, *held_out], self.device, len(samples))
         self.samples, self.held_out = samples, list(held_out)
+        self._lengths = [len(s.input_ids) for s in samples]
+        self._pass: tuple[int, list[list[int]]] | None = None  # (pass number, its batches)
         self.step = 0
         self.train_seconds = 0.0  # summed over resumed runs, evaluation excluded
         self.clock = time.perf_counter  # replaceable, so a test can fix the measured speed
@@ -142,9 +164,12 @@ class Trainer:
     # -- training ------------------------------------------------------------
     def batch(self, step: int) -> TTTBatch:
         """The samples of `step` depend on the step alone, so a resumed run sees what it would have seen."""
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
-        picks = torch.randint(len(self.samples), (self.cfg.batch_size,), generator=g).tolist()
-        return self._collate([self.samples[i] for i in picks])
+        per_pass = max(1, len(self.samples) // self.cfg.batch_size)
+        number, index = divmod(step, per_pass)
+        if self._pass is None or self._pass[0] != number:
+            self._pass = (number, length_sorted_batches(self._lengths, self.cfg.batch_size, self.cfg.length_pool,
+                                                        self.cfg.seed * 1_000_003 + number))
+        return self._collate([self.samples[i] for i in self._pass[1][index]])
 
     def _collate(self, chosen: list[Sample]) -> TTTBatch:
         length = min(self.cfg.max_len, max(len(s.input_ids) for s in chosen))
