@@ -289,10 +289,12 @@ def test_time_budget_fixes_the_schedule_at_the_end_of_warm_up_and_stopping_resum
 
 
 def test_engine_acceptance_equals_the_training_walk(smollm2_dir, tmp_path):
-    """Walking 3-chains through the training-time test's logits, as the engine walks them (each chain starts
-    at the token after the last one accepted), predicts the engine's acceptance exactly. This ties datagen's
-    taps, training and inference together: a tap layer or position recorded differently from what the engine
-    feeds the head at inference would pass the math check above and fail here."""
+    """Walking 3-chains through the training-time test's logits, from where the engine started each of its
+    chains, predicts what the engine accepted. This ties datagen's taps, training and inference together: a
+    tap layer or position recorded differently from what the engine feeds the head at inference would pass
+    the math check above and fail here. The two compute the head in different orders (dense and paged), so
+    a draft whose two best logits are within rounding of each other may go either way: one such chain is
+    allowed, and only where that near-tie decided it."""
     from specserve import draft_heads
     from specserve.config import SpecConfig
     from specserve.llm import LLM
@@ -307,26 +309,35 @@ def test_engine_acceptance_equals_the_training_walk(smollm2_dir, tmp_path):
     messages = [{"role": "user", "content": "List three uses of copper and explain each briefly."}]
     prompt = llm.chat_prompt(messages)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    spec_output = LLM(model=str(smollm2_dir), max_total_tokens=2048,
-                      spec=SpecConfig("EAGLE3", str(head_dir), 3)).generate([prompt], params)[0]
-    sample = read_shards(generate(llm, [prompt], head.config.target_layers, params, tmp_path / "walk",
-                                  progress=False))[0]
+    spec_llm = LLM(model=str(smollm2_dir), max_total_tokens=2048, spec=SpecConfig("EAGLE3", str(head_dir), 3))
+    spec_llm.add(prompt, params)
+    answer, chains = [], []  # chains: (drafted, accepted) of each step that drafted, in order
+    while spec_llm.engine.has_work():
+        for delta in spec_llm.engine.step():
+            answer += delta.new_token_ids
+            if delta.step_accepted is not None:
+                chains.append((delta.step_drafted, delta.step_accepted))
+    sample = read_shards(generate(llm, [prompt], head.config.target_layers, params,
+                                  tmp_path / "walk", progress=False))[0]
     ids = sample.input_ids
-    assert ids[len(prompt):].tolist() == spec_output.token_ids
+    assert ids[len(prompt):].tolist() == answer
     batch = TTTBatch(ids[None], sample.taps[None].float(), torch.zeros(1, len(ids), head.config.draft_vocab_size),
                      sample.loss_mask[None])
     with torch.no_grad():
         logits = unrolled_loss(head, model.embed_tokens, batch, 3, keep_logits=True).logits
     drafts = [head.to_target_ids(step[0].argmax(-1)) for step in logits]  # drafts[k][t]: chain t, step k
-    end, steps, accepted = len(ids), 0, 0
-    t = len(prompt) - 1  # the first chain drafts after the first answer token, at position len(prompt)
-    while (room := min(3, end - t - 3)) > 0:  # the engine keeps one token of max_tokens for the bonus
+    t, near_ties = len(prompt) - 1, 0  # the first chain drafts after the first answer token, at position len(prompt)
+    for drafted, accepted in chains:
+        assert drafted == min(3, len(ids) - t - 3)  # the engine keeps one token of max_tokens for the bonus
         n = 0
-        while n < room and drafts[n][t] == ids[t + n + 2]:
+        while n < drafted and drafts[n][t] == ids[t + n + 2]:
             n += 1
-        steps, accepted, t = steps + 1, accepted + n, t + n + 1
-    assert accepted > 0
-    assert (steps, accepted) == (spec_output.num_spec_steps, spec_output.num_accepted_tokens)
+        if n != accepted:
+            best_two = logits[min(n, accepted)][0, t].topk(2).values
+            assert best_two[0] - best_two[1] < 1e-2, f"chain at {t}: the walk accepts {n}, the engine {accepted}"
+            near_ties += 1
+        t += accepted + 1
+    assert t >= len(ids) - 3 and near_ties <= 1 and sum(a for _, a in chains) > 0
 
 
 def _recorded_samples(config, layers, prompts, out):
