@@ -92,12 +92,13 @@ def length_sorted_batches(lengths: Sequence[int], batch_size: int, pool: int, se
     (all samples form one batch when there are fewer than `batch_size`)."""
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(lengths), generator=g).tolist()
+    # The remainder is cut from the shuffled order, before sorting: cut after, it would be the longest samples.
+    order = order[:len(order) - len(order) % batch_size] or order
     batches = []
     for start in range(0, len(order), batch_size * pool):
         chunk = sorted(order[start:start + batch_size * pool], key=lambda i: lengths[i])
         batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    full = [b for b in batches if len(b) == batch_size] or batches[:1]
-    return [full[i] for i in torch.randperm(len(full), generator=g).tolist()]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
 def hold_out(samples: list[Sample], count: int, seed: int) -> tuple[list[Sample], list[Sample]]:
@@ -121,6 +122,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         if self.device.type == "cuda":
             samples, held_out = _samples_on_gpu([*samples, *held_out], self.device, len(samples))
+        if not samples:
+            raise ValueError("no training samples")
         self.samples, self.held_out = samples, list(held_out)
         self._lengths = [len(s.input_ids) for s in samples]
         self._pass: tuple[int, list[list[int]]] | None = None  # (pass number, its batches)
@@ -152,6 +155,11 @@ class Trainer:
                                                                                  self.head.d2t):
             raise ValueError(f"{path} was made with other training data or another --eval-samples "
                              f"({state.get('num_held_out', 0)} held out, now {len(self.held_out)})")
+        # Batches are drawn from the seed, batch size and length pool: others would change the schedule midway.
+        changed = [key for key in ("batch_size", "seed", "length_pool")
+                   if state["config"].get(key, getattr(self.cfg, key)) != getattr(self.cfg, key)]
+        if changed:
+            raise ValueError(f"{path} was made with another {', '.join(changed)}")
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
