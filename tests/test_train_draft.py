@@ -158,7 +158,8 @@ def test_length_sorted_batches_cover_a_pass_once_with_little_padding():
     # The remainder sits the pass out, drawn at random: not always the longest samples.
     few = lengths[:21]
     sat_out = [set(range(21)) - {i for b in length_sorted_batches(few, 8, 16, seed) for i in b} for seed in range(20)]
-    assert all(len(out) == 5 for out in sat_out) and set().union(*sat_out) != set(sorted(range(21), key=few.__getitem__)[-5:])
+    longest = set(sorted(range(21), key=few.__getitem__)[-5:])
+    assert all(len(out) == 5 for out in sat_out) and set().union(*sat_out) != longest
     assert len({frozenset(out) for out in sat_out}) > 1
     # Fewer samples than a batch make one batch.
     assert sorted(length_sorted_batches(lengths[:5], 8, 16, 0)[0]) == list(range(5))
