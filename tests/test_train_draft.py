@@ -178,9 +178,9 @@ def test_trainer_batches_walk_passes_in_order(tmp_path):
     for step in (0, 2, 3, 7, 1):  # out of order, across passes of 3 batches
         number, index = divmod(step, 3)
         expected = length_sorted_batches(lengths, 3, 2, 1 * 1_000_003 + number)[index]
-        assert trainer.batch(step).input_ids.shape == (3, max(lengths[i] for i in expected))
-        torch.testing.assert_close(trainer.batch(step).input_ids[:, :6],
-                                   torch.stack([samples[i].input_ids[:6] for i in expected]))
+        ids = trainer.batch(step).input_ids
+        assert ids.shape == (3, max(lengths[i] for i in expected))
+        torch.testing.assert_close(ids[:, :6], torch.stack([samples[i].input_ids[:6] for i in expected]))
 
 
 def test_resuming_continues_the_same_schedule(tmp_path):
