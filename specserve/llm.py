@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from specserve.config import EngineConfig
-from specserve.engine.factory import build_engine_core
+from specserve.engine.factory import build_engine_core, freeze_startup_objects
 from specserve.engine.output import OutputTracker, RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -29,6 +29,7 @@ class LLM:
         self.engine, self.model_info = build_engine_core(config, progress=overrides.get("progress", False),
                                                          record_layers=overrides.get("record_layers", ()))
         self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir)
+        freeze_startup_objects()  # the tokenizer's too
         self._ids = itertools.count()
 
     def generate(

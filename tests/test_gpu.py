@@ -255,6 +255,46 @@ def test_overlapped_steps_never_wait_for_the_device_and_match_transformers(tiny_
     assert overlapped == synchronous == _hf_greedy(path, prompts, "cuda")
 
 
+def test_graphed_steps_sample_seeded_rows_like_eager_steps(tiny_checkpoint):
+    """Graphs take the greedy argmax themselves; a batch with sampled rows samples from the graph's logits
+    instead. Seeded sampled rows and greedy rows in the same batches, under overlap: graphed equals eager."""
+    path = tiny_checkpoint("llama", True)
+    prompts = _prompts(512, seed=7)
+    config = replace(_tight_config(str(path), max_total_tokens=200), device="cuda")
+
+    def run(config):
+        engine, _ = build_engine_core(config, progress=False)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                                    seed=None if i % 2 else 100 + i)
+            engine.add_request(str(i), prompt, params)
+        outputs = {str(i): [] for i in range(len(prompts))}
+        while engine.has_work():
+            for delta in engine.step():
+                outputs[delta.request_id] += delta.new_token_ids
+        return [outputs[str(i)] for i in range(len(prompts))], engine
+
+    graphed, engine = run(config)
+    assert engine.overlap and engine.runner.graphs.num_replays > 5
+    eager, engine = run(replace(config, disable_cuda_graph=True))
+    assert engine.runner.graphs is None
+    assert graphed == eager
+    assert all(len(tokens) == 12 for tokens in graphed)
+
+
+def test_placeholder_resolution_kernel_matches_the_torch_form():
+    from specserve.engine.futures import FutureTokens
+    from specserve.layers.triton_pointwise import resolve_placeholders
+
+    futures = FutureTokens(64, torch.device("cuda"))
+    futures.values.copy_(torch.randperm(128, device="cuda") + 1000)
+    for n in (1, 5, 64, 200):
+        ids = torch.randint(-128, 5000, (n,), device="cuda")
+        expected = torch.where(ids < 0, futures.values[(-ids - 1).clamp(min=0)], ids)
+        resolve_placeholders(ids, futures.values)
+        assert torch.equal(ids, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 5])
 @pytest.mark.parametrize("rows_per_seq", [1, 3])

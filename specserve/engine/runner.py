@@ -94,8 +94,8 @@ class ModelRunner:
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
         if not trees and self._graph_fits(seqs) and (self.recorder is None or self.graphs.record_layers):
             with self.timer.phase("forward"):
-                logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
-                                         [s.page_ids for s in seqs], self.futures)
+                out = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
+                                      [s.page_ids for s in seqs])
                 if self.recorder is not None:
                     taps, hidden = self.graphs.recorded(len(seqs))
                     self.recorder.record(seqs, [taps], hidden)
@@ -103,7 +103,9 @@ class ModelRunner:
                 with self.timer.phase("follow"):
                     self.proposer.extend_drafter(batch)
             with self.timer.phase("sample"):
-                return self._sample_plain(seqs, logits.float(), publish)
+                if all(s.params.greedy for s in seqs):  # the graph took the argmax
+                    return self._plain_output(out.greedy, publish)
+                return self._sample_plain(seqs, out.logits.float(), publish)
         with self.timer.phase("prepare"):
             input_ids, positions, meta, token_lists = self._prepare(batch, trees)
         with self.timer.phase("forward"):
@@ -136,7 +138,9 @@ class ModelRunner:
 
     def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool) -> StepOutput:
         """One token per sequence, sampled without leaving the device."""
-        tokens = sample(logits, [s.params for s in seqs], [s.sample_seed for s in seqs])
+        return self._plain_output(sample(logits, [s.params for s in seqs], [s.sample_seed for s in seqs]), publish)
+
+    def _plain_output(self, tokens: torch.Tensor, publish: bool) -> StepOutput:
         return StepOutput(device_tokens=tokens, placeholders=self.futures.publish(tokens) if publish else None)
 
     def _graph_fits(self, seqs) -> bool:

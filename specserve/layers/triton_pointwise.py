@@ -203,3 +203,21 @@ def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor
             HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads),
             **triton_pdl.launch_options(q))
     return q_out, k_out
+
+
+@triton.jit
+def _resolve_placeholders_kernel(IDS, VALUES, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    ids = tl.load(IDS + offs, mask=ok, other=0)
+    waiting = ids < 0
+    known = tl.load(VALUES + (-ids - 1), mask=ok & waiting, other=0)
+    tl.store(IDS + offs, tl.where(waiting, known, ids), mask=ok)
+
+
+def resolve_placeholders(ids: torch.Tensor, values: torch.Tensor) -> None:
+    """ids [N] int64, in place: a negative id -(i + 1) becomes values[i] (engine/futures.py). One launch where
+    the PyTorch form takes six, which a decode step of one row notices."""
+    n = ids.numel()
+    if n:
+        _resolve_placeholders_kernel[(1,)](ids, values, n, BLOCK=triton.next_power_of_2(n))
