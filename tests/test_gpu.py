@@ -494,6 +494,69 @@ def test_triton_gemv_matches_cublas(rows, shape):
     assert "cublas" in triton_gemv.choice.timings[triton_gemv.choice.key(x, weight)]
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("shape", [(960, 576), (4096, 4096), (1000, 200)])
+def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
+    """gemv(x, W, norm_weight, residual) = W @ RMSNorm(x) + residual, for every tile, against the unfused
+    math in fp32 from the same bf16 inputs (the fold rounds less: no bf16 normed input in between)."""
+    from specserve.layers import triton_gemv
+
+    torch.manual_seed(rows)
+    weight = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5
+    x = torch.randn(rows, shape[1], device="cuda", dtype=torch.bfloat16) * 3
+    gamma = torch.rand(shape[1], device="cuda", dtype=torch.bfloat16) + 0.5
+    residual = torch.randn(rows, shape[0], device="cuda", dtype=torch.bfloat16)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
+    reference = normed @ weight.float().T
+    for tile in triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES:
+        folded = triton_gemv.gemv(x, weight, tile, norm_weight=gamma, eps=1e-5)
+        torch.testing.assert_close(folded.float(), reference, atol=2e-2, rtol=2e-2)
+        added = triton_gemv.gemv(x, weight, tile, residual=residual)
+        torch.testing.assert_close(added.float(), xf @ weight.float().T + residual.float(), atol=3e-2, rtol=2e-2)
+
+
+def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpoint, monkeypatch):
+    """A bf16 decode step of one row through the whole model: norms and adds folded into the GEMVs against
+    the same step with separate norm kernels; hidden states, taps and logits agree within bf16 rounding."""
+    from specserve.engine.factory import build_engine_core
+    from specserve.layers import linear, triton_gemv
+    from specserve.layers.attention import AttentionMetadata
+
+    # A fresh choice that always takes a tile: the tiny shapes may time faster in cuBLAS.
+    monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
+    monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
+    path = tiny_checkpoint("llama", True)
+    config = replace(_tight_config(str(path), max_total_tokens=200), device="cuda", dtype="bfloat16",
+                     disable_cuda_graph=True)
+    engine, _ = build_engine_core(config, progress=False)
+    model, kv_cache = engine.runner.model, engine.runner.kv_cache
+    with torch.inference_mode():
+        prompt = torch.randint(0, 512, (9,), device="cuda")
+        meta = AttentionMetadata.build([9], [0], [[0, 1]], 8, torch.device("cuda"))
+        model(prompt, torch.arange(9, device="cuda"), meta, kv_cache)
+
+        def step():
+            meta = AttentionMetadata.build([1], [9], [[0, 1]], 8, torch.device("cuda"))
+            ids, pos = torch.tensor([7], device="cuda"), torch.tensor([9], device="cuda")
+            hidden, taps = model(ids, pos, meta, kv_cache, (0, 1))
+            return hidden, taps, model.compute_logits(hidden)
+
+        folded_layer = model.layers[0].self_attn.qkv_proj
+        assert folded_layer.folds_norm(torch.zeros(1, model.config.hidden_size, device="cuda",
+                                                   dtype=torch.bfloat16)), "the tiny model's GEMVs should fold"
+        folded = step()
+        monkeypatch.setattr(linear, "FOLD_NORMS", False)
+        unfolded = step()
+    # The forms round differently (the fold rounds the normed input and the o_proj/down outputs to bf16 once
+    # less). The residual stream reaches |60| here, where one bf16 step is 0.25, and where its addends cancel,
+    # a small element carries that error: so each tensor is held to 1/32 of its largest magnitude (8 bf16
+    # steps of it). A wrong fold (a missing weight, norm or add) misses by the order of the values themselves.
+    for a, b in zip([folded[0], *folded[1], folded[2]], [unfolded[0], *unfolded[1], unfolded[2]]):
+        assert (a.float() - b.float()).abs().max() <= b.float().abs().max() / 32
+    assert not torch.equal(folded[1][1], unfolded[1][1])  # the two forms did run
+
+
 def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
     """With CUDA graphs the GEMV choices are made at startup, the eager draft model's included; a shape still
     undecided when a step runs takes cuBLAS (timing it clones the weight, captures a graph and synchronises

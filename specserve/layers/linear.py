@@ -7,7 +7,8 @@ cuts it again, and oneDNN is the fallback where that kernel cannot be built. A w
 bf16 numbers (loaded from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
 On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for each weight
 shape (and row count: one, or several) where it timed faster than cuBLAS; the MLP's down projection takes
-SiLU-and-multiply folded into that GEMV. Everything else uses plain `F.linear`.
+SiLU-and-multiply folded into that GEMV, and a decoder layer at one row folds its RMSNorms and residual adds
+into the GEMVs around them (models/llama.py). Everything else uses plain `F.linear`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from specserve.layers import cpu_kernels, pointwise
 
 # SPECSERVE_TRITON_GEMV=0 keeps cuBLAS for every shape (an A/B switch for benchmarks).
 TRITON_GEMV = os.environ.get("SPECSERVE_TRITON_GEMV", "1") != "0"
+# SPECSERVE_FOLD_NORMS=0 keeps a decoder layer's RMSNorms as kernels of their own (an A/B switch).
+FOLD_NORMS = os.environ.get("SPECSERVE_FOLD_NORMS", "1") != "0"
 
 
 # From this many rows on (prefill chunks) the weight is read from cache many times over, and MKL's blocked GEMM
@@ -32,9 +35,17 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     packed_kernel = None  # the compiled CPU GEMM module when it packed the weight, else oneDNN
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm=None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """self(norm(x)) + add, with `norm` an RMSNorm and `add` the residual stream, each optional. Where the
+        Triton GEMV runs (`folds`), both happen inside it; elsewhere they are separate operations."""
         if x.is_cuda:
-            return self._forward_gpu(x)
+            return self._forward_gpu(x, norm=norm, add=add)
+        if norm is not None:
+            x = norm(x)
+        out = self._forward_cpu(x)
+        return out if add is None else out + add
+
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
         if self.packed_kernel is not None:
@@ -45,25 +56,42 @@ class Linear(nn.Linear):
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up = [gate | up]; one kernel where the Triton GEMV runs."""
+    def forward_silu_and_mul(self, gate_up: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """self(silu(gate) * up) (+ add) for gate_up = [gate | up]; one kernel where the Triton GEMV runs."""
         if gate_up.is_cuda:
-            return self._forward_gpu(gate_up, silu_mul=True)
-        return self(pointwise.silu_and_mul(gate_up))
+            return self._forward_gpu(gate_up, silu_mul=True, add=add)
+        return self(pointwise.silu_and_mul(gate_up), add=add)
 
-    def _forward_gpu(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def folds_norm(self, x: torch.Tensor) -> bool:
+        """Whether a call on x would apply an RMSNorm inside the Triton GEMV (see `forward`)."""
+        return FOLD_NORMS and self.gemv_tile(x) is not None
+
+    def gemv_tile(self, x: torch.Tensor, silu_mul: bool = False):
+        """The Triton GEMV tile that a call on x would run, or None where it takes cuBLAS."""
         rows = x.reshape(-1, x.shape[-1])
-        if (TRITON_GEMV and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
+        if not (TRITON_GEMV and x.is_cuda and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
                 and not torch.is_grad_enabled() and x.dtype == self.weight.dtype):
+            return None
+        from specserve.layers import triton_gemv
+
+        return triton_gemv.choice.tile(rows, self.weight, silu_mul) if x.dtype in triton_gemv.DTYPES else None
+
+    def _forward_gpu(self, x: torch.Tensor, silu_mul: bool = False, norm=None, add=None) -> torch.Tensor:
+        tile = self.gemv_tile(x, silu_mul)
+        if tile is not None:
             from specserve.layers import triton_gemv
 
-            tile = triton_gemv.choice.tile(rows, self.weight, silu_mul) if x.dtype in triton_gemv.DTYPES else None
-            if tile is not None:
-                out = triton_gemv.gemv(rows, self.weight, tile, silu_mul)
-                return out.view(*x.shape[:-1], self.out_features)
+            rows = x.reshape(-1, x.shape[-1])
+            residual = None if add is None else add.reshape(-1, self.out_features)
+            out = triton_gemv.gemv(rows, self.weight, tile, silu_mul, None if norm is None else norm.weight,
+                                   0.0 if norm is None else norm.eps, residual)
+            return out.view(*x.shape[:-1], self.out_features)
         if silu_mul:
             x = pointwise.silu_and_mul(x)
-        return F.linear(x, self.weight, self.bias)
+        if norm is not None:
+            x = norm(x)
+        out = F.linear(x, self.weight, self.bias)
+        return out if add is None else out + add
 
     def prepack(self, max_batch_hint: int = 8) -> None:
         weight = self.weight.detach()

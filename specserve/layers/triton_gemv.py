@@ -47,44 +47,67 @@ ROWS_TILES = [Tile(n, k, w, s) for n, k in ((16, 128), (16, 256), (32, 128), (32
 
 
 @triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
-def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, ROWS: tl.constexpr,
-                 ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
+                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+                 ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                 PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn
     m = tl.arange(0, ROWS)
     if ONE_ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
     else:
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
     # The first weight tile does not depend on the kernel before: it is read while that one finishes.
     k = tl.arange(0, BLOCK_K)
     w = _load_w(w_rows, k, n_ok, K, EVEN)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    acc = _accumulate(acc, w, X, k, m, M, K, stride_xm, ONE_ROW, SILU_MUL)
+    acc, squares = _accumulate(acc, squares, w, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW, SILU_MUL, NORM)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        acc = _accumulate(acc, _load_w(w_rows, k, n_ok, K, EVEN), X, k, m, M, K, stride_xm, ONE_ROW, SILU_MUL)
+        acc, squares = _accumulate(acc, squares, _load_w(w_rows, k, n_ok, K, EVEN), X, GAMMA, k, m, M, K,
+                                   stride_xm, ONE_ROW, SILU_MUL, NORM)
     if ONE_ROW:
-        tl.store(OUT + n, tl.sum(acc, 1).to(OUT.dtype.element_ty), mask=n_ok)
+        out = tl.sum(acc, 1)
+        if NORM:
+            out = out * tl.rsqrt(tl.sum(squares, 0) / K + eps)
+        if ADD:
+            out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
-        tl.store(OUT + m[:, None] * stride_om + n[None, :], acc.to(OUT.dtype.element_ty),
-                 mask=(m < M)[:, None] & n_ok[None, :])
+        ok = (m < M)[:, None] & n_ok[None, :]
+        if NORM:
+            acc = acc * tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
+        if ADD:
+            acc += tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + m[:, None] * stride_om + n[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _accumulate(acc, w, X, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr):
+def _accumulate(acc, squares, w, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
+                NORM: tl.constexpr):
+    """With NORM, x is the residual stream before RMSNorm: its squares are summed (the reciprocal RMS scales
+    the outputs at the end) and it is scaled by the norm's weight on the way in."""
     k_ok = k < K
     if ONE_ROW:
-        x = _load_x(X, k, k_ok, K, SILU_MUL)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = _load_x(X, k, k_ok, K, SILU_MUL).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
     else:
         x = _load_x(X + m[:, None] * stride_xm, k[None, :], (m < M)[:, None] & k_ok[None, :], K, SILU_MUL)
+        if NORM:
+            xf = x.to(tl.float32)
+            squares += xf * xf
+            x = (xf * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
         acc += tl.dot(x, tl.trans(w))
-    return acc
+    return acc, squares
 
 
 @triton.jit
@@ -109,20 +132,29 @@ def _load_x(X, k, ok, K, SILU_MUL: tl.constexpr):
     return x
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, silu_mul: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, silu_mul: bool = False,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32. With
-    `silu_mul`, x is [M, 2K] = [gate | up] and silu(gate) * up is multiplied instead."""
+    `silu_mul`, x is [M, 2K] = [gate | up] and silu(gate) * up is multiplied instead. With `norm_weight`,
+    RMSNorm(x) (that weight, `eps`) is multiplied instead of x, and `residual` [M, N] is added to the result:
+    a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
     rows = x.shape[0]
     out_features, width = weight.shape
     if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
-            or x.shape[1] != width * (2 if silu_mul else 1)):
+            or x.shape[1] != width * (2 if silu_mul else 1) or (silu_mul and norm_weight is not None)):
         raise ValueError("gemv takes at most 16 bf16/fp16 rows of the weight's width, each contiguous")
+    if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
+        raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     even = width % tile.block_k == 0 and out_features % tile.block_n == 0
     _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
-        x, weight, out, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0), ROWS=MAX_ROWS,
-        ONE_ROW=rows == 1, SILU_MUL=silu_mul, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
+        x, weight, out, norm_weight if norm_weight is not None else weight,
+        residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
+        out.stride(0), residual.stride(0) if residual is not None else 0, eps, ROWS=MAX_ROWS,
+        ONE_ROW=rows == 1, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     return out
 
 

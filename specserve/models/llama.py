@@ -44,15 +44,18 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        norm: RMSNorm | None = None,
+        add: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """o_proj(attention(qkv_proj(norm(x)))) + add; norm and add are optional."""
+        q, k, v = self.qkv_proj(x, norm=norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.rotate_and_store(positions, q, k, v, kv_cache, meta.slot_mapping)
-        return self.o_proj(attend(q, k, v, kv_cache, meta, self.scale))
+        return self.o_proj(attend(q, k, v, kv_cache, meta, self.scale), add=add)
 
 
 class MLP(nn.Module):
@@ -61,8 +64,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu_and_mul(gate_up(norm(x)))) + add; norm and add are optional."""
+        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x, norm=norm), add=add)
 
 
 class DecoderLayer(nn.Module):
@@ -73,9 +77,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rotary, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream arrives split in two, x + residual (residual is None at the first layer), and
-        leaves the same way: each add is folded into the norm that follows it."""
+    def forward(self, x, residual, positions, rotary, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream arrives split in two, x + residual (residual None: x is all of it), and leaves
+        the same way: each add is folded into the norm that follows it. Where the projections run as Triton
+        GEMVs (decode steps of one row), the norms and adds fold into them instead, and the stream leaves whole."""
+        if self.self_attn.qkv_proj.folds_norm(x):
+            stream = x if residual is None else x + residual
+            stream = self.self_attn(stream, positions, rotary, kv_cache, meta, self.input_layernorm, add=stream)
+            return self.mlp(stream, self.post_attention_layernorm, add=stream), None
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -114,8 +123,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache[i], meta)
             if i in capture_layers:
-                outputs[i] = x + residual  # the layer's output, rounded as the unfused add rounds it
-        return self.norm(x, residual)[0], [outputs[i] for i in capture_layers]
+                # The layer's output, rounded as the unfused add rounds it.
+                outputs[i] = x if residual is None else x + residual
+        hidden = self.norm(x) if residual is None else self.norm(x, residual)[0]
+        return hidden, [outputs[i] for i in capture_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
