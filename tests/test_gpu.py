@@ -288,11 +288,14 @@ def test_placeholder_resolution_kernel_matches_the_torch_form():
 
     futures = FutureTokens(64, torch.device("cuda"))
     futures.values.copy_(torch.randperm(128, device="cuda") + 1000)
-    for n in (1, 5, 64, 200):
+    for n in (1, 5, 64, 200, 1024, 3000):
         ids = torch.randint(-128, 5000, (n,), device="cuda")
         expected = torch.where(ids < 0, futures.values[(-ids - 1).clamp(min=0)], ids)
-        resolve_placeholders(ids, futures.values)
-        assert torch.equal(ids, expected)
+        resolved = ids.clone()
+        futures.resolve(resolved)  # the kernel up to 1,024 ids, the PyTorch form above
+        assert torch.equal(resolved, expected)
+        assert resolve_placeholders(ids, futures.values) == (n <= 1024)
+        assert torch.equal(ids, expected) == (n <= 1024)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -498,8 +501,9 @@ def test_triton_gemv_matches_cublas(rows, shape):
 @pytest.mark.parametrize("shape", [(960, 576), (4096, 4096), (1000, 200)])
 def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     """gemv(x, W, norm_weight, residual) = W @ RMSNorm(x) + residual, for every tile, against the unfused
-    math in fp32 from the same bf16 inputs (the fold rounds less: no bf16 normed input in between)."""
-    from specserve.layers import triton_gemv
+    math in fp32 from the same bf16 inputs (the fold rounds less: no bf16 normed input in between); and the
+    down projection's form, SiLU-and-multiply on the way in with the residual added on the way out."""
+    from specserve.layers import triton_gemv, triton_pointwise
 
     torch.manual_seed(rows)
     weight = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5
@@ -509,11 +513,15 @@ def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
     reference = normed @ weight.float().T
+    gate_up = torch.randn(rows, 2 * shape[1], device="cuda", dtype=torch.bfloat16)
+    down_reference = triton_pointwise.silu_and_mul(gate_up).float() @ weight.float().T + residual.float()
     for tile in triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES:
         folded = triton_gemv.gemv(x, weight, tile, norm_weight=gamma, eps=1e-5)
         torch.testing.assert_close(folded.float(), reference, atol=2e-2, rtol=2e-2)
         added = triton_gemv.gemv(x, weight, tile, residual=residual)
         torch.testing.assert_close(added.float(), xf @ weight.float().T + residual.float(), atol=3e-2, rtol=2e-2)
+        down = triton_gemv.gemv(gate_up, weight, tile, silu_mul=True, residual=residual)
+        torch.testing.assert_close(down.float(), down_reference, atol=3e-2, rtol=2e-2)
 
 
 def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpoint, monkeypatch):

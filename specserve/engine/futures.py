@@ -33,8 +33,8 @@ class FutureTokens:
         if ids.is_cuda and ids.dim() == 1 and ids.is_contiguous():
             from specserve.layers.triton_pointwise import resolve_placeholders
 
-            resolve_placeholders(ids, self.values)
-            return
+            if resolve_placeholders(ids, self.values):
+                return
         slots = (-ids - 1).clamp_(min=0)
         ids.copy_(torch.where(ids < 0, self.values[slots], ids))
 

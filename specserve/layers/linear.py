@@ -64,7 +64,7 @@ class Linear(nn.Linear):
 
     def folds_norm(self, x: torch.Tensor) -> bool:
         """Whether a call on x would apply an RMSNorm inside the Triton GEMV (see `forward`)."""
-        return FOLD_NORMS and self.gemv_tile(x) is not None
+        return FOLD_NORMS and x.dtype == torch.bfloat16 and self.gemv_tile(x) is not None
 
     def gemv_tile(self, x: torch.Tensor, silu_mul: bool = False):
         """The Triton GEMV tile that a call on x would run, or None where it takes cuBLAS."""
@@ -77,6 +77,9 @@ class Linear(nn.Linear):
         return triton_gemv.choice.tile(rows, self.weight, silu_mul) if x.dtype in triton_gemv.DTYPES else None
 
     def _forward_gpu(self, x: torch.Tensor, silu_mul: bool = False, norm=None, add=None) -> torch.Tensor:
+        if norm is not None and x.dtype != torch.bfloat16:
+            # The fold scales x by the norm's weight before the reciprocal RMS: fp16 could overflow there.
+            x, norm = norm(x), None
         tile = self.gemv_tile(x, silu_mul)
         if tile is not None:
             from specserve.layers import triton_gemv

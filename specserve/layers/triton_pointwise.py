@@ -215,9 +215,16 @@ def _resolve_placeholders_kernel(IDS, VALUES, N, BLOCK: tl.constexpr):
     tl.store(IDS + offs, tl.where(waiting, known, ids), mask=ok)
 
 
-def resolve_placeholders(ids: torch.Tensor, values: torch.Tensor) -> None:
+RESOLVE_BLOCK = 1024  # one program: the decode graphs' batches, and eager steps of up to this many tokens
+
+
+def resolve_placeholders(ids: torch.Tensor, values: torch.Tensor) -> bool:
     """ids [N] int64, in place: a negative id -(i + 1) becomes values[i] (engine/futures.py). One launch where
-    the PyTorch form takes six, which a decode step of one row notices."""
+    the PyTorch form takes six, which a decode step of one row notices. Returns False, doing nothing, for more
+    than RESOLVE_BLOCK ids (long prefill chunks), which the caller resolves the PyTorch way."""
     n = ids.numel()
+    if n > RESOLVE_BLOCK:
+        return False
     if n:
-        _resolve_placeholders_kernel[(1,)](ids, values, n, BLOCK=triton.next_power_of_2(n))
+        _resolve_placeholders_kernel[(1,)](ids, values, n, BLOCK=RESOLVE_BLOCK)
+    return True

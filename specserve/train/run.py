@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
@@ -16,7 +15,7 @@ from multiprocessing.connection import wait
 
 from specserve.bench.datasets import load_prompts, mt_bench_questions, read_jsonl_conversations
 from specserve.config import EngineConfig, SpecConfig
-from specserve.engine.factory import resolve_model
+from specserve.engine.factory import resolve_model, thaw_and_collect
 from specserve.models.eagle3 import default_target_layers
 from specserve.models.loader import save_eagle3_head
 from specserve.sampling_params import SamplingParams
@@ -179,7 +178,7 @@ def _sample_device(device: torch.device, shards: list[Path]) -> torch.device | N
 
 def _free_device_memory() -> None:
     """Hands the memory of dropped engines back to the device, so that the next engine's sizing sees it free."""
-    gc.collect()
+    thaw_and_collect()  # an engine's objects were frozen out of the collector's view when it was built
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
