@@ -7,10 +7,11 @@
 # specsweep: the offline sweep again with an EAGLE-3 chain (3 drafts, simulated tau 3) and a tree (top-4, 5 levels,
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
+# timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [profile] [smol] [gemv_ab] [idle]
+#        [tax] [profile] [smol] [gemv_ab] [idle] [timeline]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,4 +94,7 @@ if want gemv_ab; then
 fi
 if want idle; then
   python3 benchmarks/gpu_idle.py --out "$OUT/gpu_idle_h200.json"
+fi
+if want timeline; then
+  python3 benchmarks/wave_timeline.py --page-layouts --out "$OUT/wave_timeline_c250_h200.json"
 fi
