@@ -7,8 +7,8 @@ cuts it again, and oneDNN is the fallback where that kernel cannot be built. A w
 bf16 numbers (loaded from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
 On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for each weight
 shape (and row count: one, or several) where it timed faster than cuBLAS; the MLP's down projection takes
-SiLU-and-multiply folded into that GEMV, and a decoder layer at one row folds its RMSNorms and residual adds
-into the GEMVs around them (models/llama.py). Everything else uses plain `F.linear`.
+SiLU-and-multiply folded into that GEMV, and in bf16 a decoder layer whose `qkv` projection takes it folds its
+RMSNorms and residual adds into the GEMVs around them (models/llama.py). Everything else uses plain `F.linear`.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, norm=None, add: torch.Tensor | None = None) -> torch.Tensor:
         """self(norm(x)) + add, with `norm` an RMSNorm and `add` the residual stream, each optional. Where the
-        Triton GEMV runs (`folds`), both happen inside it; elsewhere they are separate operations."""
+        Triton GEMV runs (bf16 only for the norm: `folds_norm`), both happen inside it; elsewhere they are
+        separate operations."""
         if x.is_cuda:
             return self._forward_gpu(x, norm=norm, add=add)
         if norm is not None:
