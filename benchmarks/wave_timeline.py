@@ -143,19 +143,16 @@ def find_syncs(runner) -> list[str]:
     def checked(batch, publish=False):
         if found or batch.kind != "prompt":
             return launch(batch, publish)
-        torch.cuda.set_sync_debug_mode("warn")
-        previous = warnings.showwarning
-
         def record(message, *args, **kwargs):
             found.append(f"{message}\n" + "".join(traceback.format_stack(limit=12)[:-1]))
-        warnings.showwarning = record
+
+        torch.cuda.set_sync_debug_mode("warn")
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # restores showwarning on the way out
                 warnings.simplefilter("always")
                 warnings.showwarning = record
                 return launch(batch, publish)
         finally:
-            warnings.showwarning = previous
             torch.cuda.set_sync_debug_mode("default")
             found.append("end of the checked step")
     runner.launch = checked

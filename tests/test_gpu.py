@@ -550,9 +550,9 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
             hidden, taps = model(ids, pos, meta, kv_cache, (0, 1))
             return hidden, taps, model.compute_logits(hidden)
 
-        folded_layer = model.layers[0].self_attn.qkv_proj
-        assert folded_layer.folds_norm(torch.zeros(1, model.config.hidden_size, device="cuda",
-                                                   dtype=torch.bfloat16)), "the tiny model's GEMVs should fold"
+        qkv_proj = model.layers[0].self_attn.qkv_proj
+        assert qkv_proj.folds_norm(torch.zeros(1, model.config.hidden_size, device="cuda",
+                                               dtype=torch.bfloat16)), "the tiny model's GEMVs should fold"
         folded = step()
         monkeypatch.setattr(linear, "FOLD_NORMS", False)
         unfolded = step()
