@@ -321,8 +321,13 @@ class ChainGraphs(SpecGraphs):
         }
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
-        head, target, drafter = self.head, self.target, self.drafter
-        embed = target.embed_tokens
+        drafts = self._draft(bs, metas)
+        return accept_chain(drafts, self._verify(bs, drafts, metas["verify"]), forced, self.limit[:bs])
+
+    def _draft(self, bs: int, metas: dict) -> torch.Tensor:
+        """The head catches up, then drafts k tokens greedily: [bs, k] target ids."""
+        head, drafter = self.head, self.drafter
+        embed = self.target.embed_tokens
         catch_slots = self.catch_slots[:bs].view(-1)
         out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], self.catch_pos[:bs].view(-1),
                    metas["catch"], drafter.kv_cache)
@@ -333,14 +338,15 @@ class ChainGraphs(SpecGraphs):
             state = head(embed(token), state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache)
             token = head.to_target_ids(head.compute_logits(state).argmax(dim=-1))
             drafts.append(token)
-        drafts = torch.stack(drafts, dim=1)
+        return torch.stack(drafts, dim=1)
+
+    def _verify(self, bs: int, drafts: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The target's argmax after root + each draft [bs, k + 1]; stores their KV and the head's taps."""
         verify_ids = torch.cat([self.root_ids[:bs, None], drafts], dim=1).view(-1)
-        meta = metas["verify"]
-        hidden, captured = target(verify_ids, self.verify_pos[:bs].view(-1), meta, self.kv_cache,
-                                  drafter.capture_layers)
-        drafter.observe(captured, meta.slot_mapping)
-        best = target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
-        return accept_chain(drafts, best, forced, self.limit[:bs])
+        hidden, captured = self.target(verify_ids, self.verify_pos[:bs].view(-1), meta, self.kv_cache,
+                                       self.drafter.capture_layers)
+        self.drafter.observe(captured, meta.slot_mapping)
+        return self.target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
 
 
 def decode_rows_meta(positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, page_size: int,
