@@ -50,10 +50,10 @@ def test_chain_program_drafts_what_the_tree_search_drafts(smollm2_dir):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     chain = llm.engine.runner.spec_graphs
     runs_before, short = chain.num_runs, []
-    run = chain.run
-    chain.run = lambda batch: short.append(min(s.num_draft_tokens for s in batch.seqs) < 3) or run(batch)
+    run = chain.launch
+    chain.launch = lambda batch: short.append(min(s.num_draft_tokens for s in batch.seqs) < 3) or run(batch)
     fast = _generate(llm, prompts, params, chain=True)
-    chain.run = run
+    chain.launch = run
     assert chain.num_runs - runs_before > 10
     assert any(short)  # the last steps before max_tokens, scheduled with fewer drafts, ran as the program too
     assert fast == _generate(llm, prompts, params, chain=False)
@@ -208,3 +208,63 @@ def test_the_backlog_pass_as_decode_rows_writes_what_a_prefill_chunk_writes(tmp_
     assert slots_written(as_rows).sum() > 30
     assert torch.equal(slots_written(as_rows), slots_written(drafter.kv_cache))
     torch.testing.assert_close(as_rows, drafter.kv_cache, atol=1e-5, rtol=1e-5)
+
+
+def _count_following(engine) -> list[int]:
+    """Wraps the runner's launch to collect the size of every step that followed a program step in flight."""
+    following, launch = [], engine.runner.launch
+
+    def counted(batch, publish=False):
+        if batch.follow is not None:
+            following.append(len(batch.seqs))
+        return launch(batch, publish)
+    engine.runner.launch = counted
+    return following
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_overlapped_drafting_steps_follow_each_other_and_stay_lossless(tmp_path, tiny_checkpoint, monkeypatch,
+                                                                       shape):
+    """With overlap, a drafting step is launched before the one in flight is read back, its inputs derived
+    on the device from that step's results. Staggered arrivals (which make the next step wait for the one in
+    flight), preemption, and requests finishing while a step that includes them is in flight: the output is
+    HF's, and every page comes back."""
+    from test_tree_graphs import _tree_engine
+
+    if shape == "chain":
+        engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
+    else:
+        engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
+    engine.overlap = True
+    following = _count_following(engine)
+    prompts = _prompts(512, seed=4)
+    outputs, _ = run_staggered(engine, prompts, max_tokens=48)
+    assert len(following) > 10 and max(following) > 1 and engine.scheduler.num_preemptions > 0
+    assert outputs == _hf_greedy(path, prompts, max_tokens=48)
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages and not engine.has_work()
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_overlapped_drafting_steps_draft_what_synchronous_steps_draft(smollm2_dir, monkeypatch, topk):
+    """The bundled head on SmolLM2 (it accepts often): following steps, whose catch-up, root and slots the
+    device derives, accept per request exactly what steps scheduled from exact state accept. A wrong catch-up
+    would draft other tokens (the output would stay the target's: only the acceptance shows it)."""
+    from specserve import draft_heads
+    from specserve.engine import factory
+
+    monkeypatch.setattr(factory, "TREE_PROGRAM_ON_CPU", True)
+    spec = SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3, topk, 8 if topk > 1 else None)
+    llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=spec)
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
+               ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    runs = []
+    for overlap in (True, False):
+        llm.engine.overlap = overlap
+        following = _count_following(llm.engine)
+        runs.append(_generate(llm, prompts, params, chain=True))
+        assert (len(following) > 5) == overlap
+        llm.engine.runner.launch = type(llm.engine.runner).launch.__get__(llm.engine.runner)
+    assert runs[0] == runs[1]
+    assert sum(accepted for _, _, accepted in runs[0]) > 10

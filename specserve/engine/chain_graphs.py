@@ -80,7 +80,8 @@ class SpecGraphs:
 
     def _allocate(self) -> None:
         """The per-step inputs are views of one device buffer, so a step uploads them in one copy."""
-        shapes = self._buffer_shapes()
+        # follow[b]: the row of the last launch that row b continues (-1: its inputs come from the host).
+        shapes = {**self._buffer_shapes(), "follow": ((self.max_bs,), 0)}
         total = sum(int(np.prod(shape)) for shape, _ in shapes.values())
         self._flat = torch.zeros(total, dtype=torch.long, device=self.device)
         # On a GPU the host side lives in pinned memory, written in place each step: a fresh pinned copy per
@@ -100,7 +101,11 @@ class SpecGraphs:
         for name, view in self._host_views.items():
             if name.endswith("slots"):
                 view[...] = self.pad_slot
+        self._host_views["follow"][...] = -1
         self._flat.copy_(self._host_tensor)
+        # What the last launch left for a step that follows it: each row's packed tokens and count, and its root.
+        self.last_packed = torch.zeros(self.max_bs, self.width + 1, dtype=torch.long, device=self.device)
+        self.last_root = torch.zeros(self.max_bs, dtype=torch.long, device=self.device)
         self.tables = {n: torch.zeros(self.max_bs, -(-n // self.page_size), dtype=torch.int32, device=self.device)
                        for n in self.context_lens}
         self._host_tables = {n: torch.zeros(t.shape, dtype=torch.int32, pin_memory=pinned)
@@ -196,12 +201,18 @@ class SpecGraphs:
 
     # -- one step ----------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> list[list[int]]:
+    def launch(self, batch: StepBatch) -> torch.Tensor:
+        """Queues the step; returns its packed results [b, width + 1] (each row's tokens, then its accepted
+        draft count: `unpack`), a device tensor that the next launch of the same shape overwrites. Rows of a
+        batch with `follow` continue rows of the last launch (`_follow`)."""
         seqs = batch.seqs
         b = len(seqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         n = self.context_lens[bisect.bisect_left(self.context_lens, max(s.start_pos for s in seqs) + self.width)]
         rows, tables = self._describe(seqs, bs, self.tables[n].shape[1])
+        rows["follow"] = np.full(bs, -1, np.int64)
+        if batch.follow is not None:
+            rows["follow"][:b] = batch.follow
         forced = None
         if self.simulate_accept_len is not None:
             # One draw per drafting sequence, in order, as the general path draws.
@@ -214,10 +225,47 @@ class SpecGraphs:
             self.graphs[(bs, n)].replay()
             packed = self.outputs[(bs, n)]
         else:
-            packed = _packed(*self._forward(bs, n, self._metas(bs, n), forced))
+            packed = self._step(bs, n, forced)
         self.num_runs += 1
-        results = packed[:b].tolist()  # the step's one read-back: each row's tokens, then its accepted count
-        return [row[: row[-1] + 1] for row in results]
+        return packed[:b]
+
+    def _step(self, bs: int, n: int, forced: torch.Tensor | None) -> torch.Tensor:
+        """The whole program: inputs of following rows, the forwards, and what a following step reads."""
+        self._follow(bs, n)
+        packed = _packed(*self._forward(bs, n, self._metas(bs, n), forced))
+        self.last_packed[:bs] = packed
+        self.last_root[:bs] = self._roots(bs)
+        return packed
+
+    def _follow(self, bs: int, n: int) -> None:
+        """Rows that continue a row of the last launch (overlapped drafting steps: the host launched this step
+        before reading that one back) take their inputs from its results, on the device. The head catches up on
+        that step's root and accepted drafts (position j pairs token j + 1 with the taps of j: the tokens are
+        that step's new ones); the new root is the one after them, and its token is that step's last.
+        Rows with follow = -1 keep the inputs the host wrote."""
+        w, ps = self.width, self.page_size
+        src = self.follow[:bs].clamp(min=0)
+        on = self.follow[:bs, None] >= 0
+        last = self.last_packed[src]
+        accepted = last[:, -1:]
+        j = torch.arange(w, device=self.device)[None, :]
+        caught = j <= accepted
+        table = self.tables[n][:bs]
+        pos = torch.where(caught, self.last_root[src][:, None] + j, 0)
+        put_where(self.catch_ids[:bs], on, torch.where(caught, last[:, :w], 0))
+        put_where(self.catch_pos[:bs], on, pos)
+        put_where(self.catch_slots[:bs], on, torch.where(caught, table_slots(table, pos, ps), self.pad_slot))
+        put_where(self.last_row[:bs], on[:, 0], torch.arange(bs, device=self.device) * w + accepted[:, 0])
+        put_where(self.root_ids[:bs], on[:, 0], last[:, :w].gather(1, accepted)[:, 0])
+        self._follow_root(bs, on, self.last_root[src] + accepted[:, 0] + 1, table)
+
+    def _follow_root(self, bs: int, on: torch.Tensor, root: torch.Tensor, table: torch.Tensor) -> None:
+        """Writes the inputs that follow from each following row's root position [bs]."""
+        raise NotImplementedError
+
+    def _roots(self, bs: int) -> torch.Tensor:
+        """Each row's root position in this step, for a step that follows it."""
+        raise NotImplementedError
 
     def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
         if self._uploaded is not None:
@@ -246,14 +294,13 @@ class SpecGraphs:
         warm |= {(bs, self.context_lens[0]) for bs in self.batch_sizes if bs <= 16}
         with torch.cuda.stream(stream):
             for bs, n in sorted(warm) * 2:
-                self._forward(bs, n, self._metas(bs, n), None if forced is None else forced[:bs])
+                self._step(bs, n, None if forced is None else forced[:bs])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None
         for bs, n in tqdm(shapes, desc=desc, disable=not progress, leave=False):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[(bs, n)] = _packed(*self._forward(bs, n, self._metas(bs, n),
-                                                               None if forced is None else forced[:bs]))
+                self.outputs[(bs, n)] = self._step(bs, n, None if forced is None else forced[:bs])
             pool = graph.pool()
             self.graphs[(bs, n)] = graph
         torch.cuda.synchronize(self.device)
@@ -303,6 +350,23 @@ class ChainGraphs(SpecGraphs):
         rows.update(extend_pos=extend_pos, extend_slots=extend_slots, root_ids=root_ids, verify_pos=verify_pos,
                     verify_slots=verify_slots, limit=limit)
         return rows, tables
+
+    def _follow_root(self, bs: int, on: torch.Tensor, root: torch.Tensor, table: torch.Tensor) -> None:
+        """As `_describe` writes them: drafts at root + i, verified rows at root + j, slots up to the limit."""
+        k, ps, pad = self.k, self.page_size, self.pad_slot
+        drafts = self.limit[:bs, None]
+        if k > 1:
+            i = torch.arange(k - 1, device=self.device)[None, :]
+            pos = root[:, None] + i
+            put_where(self.extend_pos[: k - 1, :bs], on.T, pos.T)
+            put_where(self.extend_slots[: k - 1, :bs], on.T, torch.where(i < drafts, table_slots(table, pos, ps), pad).T)
+        j = torch.arange(self.width, device=self.device)[None, :]
+        pos = root[:, None] + j
+        put_where(self.verify_pos[:bs], on, pos)
+        put_where(self.verify_slots[:bs], on, torch.where(j <= drafts, table_slots(table, pos, ps), pad))
+
+    def _roots(self, bs: int) -> torch.Tensor:
+        return self.verify_pos[:bs, 0]
 
     # -- the program --------------------------------------------------------
     def _metas(self, bs: int, n: int) -> dict[str, AttentionMetadata | list]:
@@ -367,5 +431,22 @@ def _packed(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], dim=1)
 
 
+def unpack(packed: list[list[int]]) -> list[list[int]]:
+    """Each row's new tokens: its accepted drafts, then the target's own token."""
+    return [row[: row[-1] + 1] for row in packed]
+
+
+def put_where(buffer: torch.Tensor, on: torch.Tensor, value: torch.Tensor) -> None:
+    """buffer = value where `on`, in place (programs and their graphs read the buffer itself)."""
+    buffer.copy_(torch.where(on, value, buffer))
+
+
 def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
     return pages[positions // page_size] * page_size + positions % page_size
+
+
+def table_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """page_slots on the device: table [B, pages] int32, positions [B, R] -> slots [B, R]. Positions past the
+    table (in rows that are padding) take its last page."""
+    page = (positions // page_size).clamp(max=table.shape[1] - 1)
+    return table.gather(1, page).long() * page_size + positions % page_size

@@ -3,9 +3,14 @@
 With overlap on, a step is launched before the previous one is read back: schedule N+1, launch N+1, then read
 N's tokens and postprocess them while the device runs N+1. A decoding request's input for N+1 is then a
 placeholder for the token N is still sampling (engine/futures.py). The price: a request that finishes at N
-has already been given one more token of work at N+1, which is dropped. A step that drafts runs synchronously
-(its drafter reads the tokens on the host): the step in flight is read back first and its tokens replace the
-placeholders in the batch. So speculation configured but not drafting keeps the overlap.
+has already been given one more token of work at N+1, which is dropped.
+
+Drafting steps overlap too when they run as the chain or tree program (engine/chain_graphs.py), whose inputs
+the device can derive from the last step's results: while step N drafts, step N + 1 is built from what the
+host knows (up to N's root: `Scheduler.follow`, with pages for the most N can accept) and launched, and N is
+read back behind it. Anything else (a prompt arriving, the draft plan changing its mind, a request near its
+end) makes the next step wait for N and be scheduled from exact state. A step that drafts by the general
+search runs synchronously: the step in flight is read back first and its tokens replace the placeholders.
 """
 from __future__ import annotations
 
@@ -63,11 +68,13 @@ class EngineStats:
 @dataclass(frozen=True)
 class _InFlight:
     """A launched step not yet read back: its output and, per sampling sequence, the request and the index
-    of the placeholder its token will replace."""
+    of the placeholder its token will replace; for a program step, its batch and requests instead."""
 
     output: object  # runner.StepOutput
     placeholders: list[tuple[Request, int]]
     kind: str  # StepBatch.kind
+    batch: StepBatch | None = None
+    requests: list[Request] | None = None
 
 
 class StepObserver(Protocol):
@@ -122,13 +129,27 @@ class EngineCore:
         start = time.perf_counter()
         if self.observer is not None:
             self._observe(start)
+        deltas = []
+        flight = self.in_flight
+        if flight is not None and flight.batch is not None:  # a program step: follow it, or wait for it
+            with self.timer.phase("schedule"):
+                follow = self.scheduler.follow(flight.batch, flight.output.program_width)
+            if follow is not None:
+                launched = self._launch_program(follow)
+                if launched is not None:
+                    self.timer.steps += 1
+                    deltas = self._read_back(reserve=flight.output.program_width)
+                    self.in_flight = launched
+                    self._last_step = (follow, start)
+                    return deltas
+            deltas = self._read_back()
         with self.timer.phase("schedule"):
             batch = self.scheduler.schedule()
         if not batch.seqs:
-            return self._read_back()
+            return deltas + self._read_back()
         self.timer.steps += 1
         self.timer.step_started()  # the first step starts the clock of the step kinds (phases.py)
-        deltas = self._run(batch)
+        deltas += self._run(batch)
         # A step after which the engine may sit idle has no next start to time it by.
         self._last_step = (batch, start) if self.has_work() else None
         return deltas
@@ -155,7 +176,14 @@ class EngineCore:
         if not batch.seqs:
             return deltas
         try:
-            sampled = self.runner.execute(batch)
+            if not self.overlap:
+                sampled = self.runner.execute(batch)
+            else:
+                output = self.runner.launch(batch)
+                if output.program_width:  # read back behind the step that follows it
+                    self.in_flight = self._program_flight(output, batch)
+                    return deltas
+                sampled = output.tokens()
         except Exception:
             log.exception("step failed; retrying its requests one by one")
             return deltas + self._step_each_alone(batch)
@@ -196,8 +224,22 @@ class EngineCore:
                 pending.append((request, request.num_tokens - 1))
         return _InFlight(output, pending, batch.kind)
 
-    def _read_back(self) -> list[TokenDelta]:
-        """Reads the step in flight back and replaces its placeholders; stop conditions apply as usual."""
+    def _launch_program(self, batch: StepBatch) -> _InFlight | None:
+        """Launches a step that follows the program step in flight; None if the runner could not (the next
+        step then waits for the one in flight, as any other would)."""
+        try:
+            return self._program_flight(self.runner.launch(batch), batch)
+        except Exception:
+            log.exception("a following drafting step failed to launch; scheduling from exact state instead")
+            return None
+
+    def _program_flight(self, output, batch: StepBatch) -> _InFlight:
+        requests = [self.scheduler.requests[s.request_id] for s in batch.seqs]
+        return _InFlight(output, [], batch.kind, batch, requests)
+
+    def _read_back(self, reserve: int = 0) -> list[TokenDelta]:
+        """Reads the step in flight back and replaces its placeholders; stop conditions apply as usual.
+        `reserve`: tokens past each request's known ones that a step launched since may write KV for."""
         self._known = {}  # placeholder ids are reused: only the last read-back's may be looked up
         if self.in_flight is None:
             return []
@@ -205,6 +247,9 @@ class EngineCore:
         with self.timer.phase("wait"):
             sampled = flight.output.tokens()
         self.timer.step_read(flight.kind)
+        if flight.batch is not None:
+            with self.timer.phase("postprocess"):
+                return self._postprocess(flight.batch, sampled, flight.requests, reserve)
         deltas = []
         with self.timer.phase("postprocess"):
             for (request, index), (token,) in zip(flight.placeholders, sampled):
@@ -236,12 +281,22 @@ class EngineCore:
         return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages,
                            s.num_preemptions, s.draft_plan is not None and s.drafting_allowed)
 
-    def _postprocess(self, batch: StepBatch, sampled: list[list[int]]) -> list[TokenDelta]:
+    def _postprocess(self, batch: StepBatch, sampled: list[list[int]], requests: list[Request] | None = None,
+                     reserve: int = 0) -> list[TokenDelta]:
+        """`requests`: the batch's, for a step read back late (any may have finished since: their tokens are
+        dropped); `reserve` as in `_read_back`."""
         deltas = []
         results = iter(sampled)
-        for seq in batch.seqs:
-            request = self.scheduler.requests[seq.request_id]
-            _advance_drafter(request, seq)
+        for i, seq in enumerate(batch.seqs):
+            request = self.scheduler.requests[seq.request_id] if requests is None else requests[i]
+            if request.finished:
+                if seq.sample:
+                    next(results)
+                continue
+            if batch.follow is not None:  # the step's root was the host's newest known token
+                request.num_draft_computed_tokens = request.num_computed_tokens + 1
+            else:
+                _advance_drafter(request, seq)
             if not seq.sample:
                 request.num_computed_tokens += len(seq.token_ids)
                 continue
@@ -257,7 +312,7 @@ class EngineCore:
                     self.observer.observe_acceptance(request, seq.num_draft_tokens, accepted_drafts)
             emitted = self._append_until_finished(request, tokens)
             if not request.finished:
-                self.scheduler.trim(request)
+                self.scheduler.trim(request, reserve)
             spec = (seq.num_draft_tokens, accepted_drafts) if seq.num_draft_tokens else (0, None)
             deltas.append(_delta(request, emitted, *spec))
         return deltas

@@ -8,6 +8,7 @@ import random
 import torch
 
 from specserve.config import CacheConfig, ModelConfig
+from specserve.engine.chain_graphs import unpack
 from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.engine.scheduler import StepBatch
@@ -26,9 +27,12 @@ class StepOutput:
     tokens then waits for this step alone, not for the next one queued behind it on the same stream."""
 
     def __init__(self, ready: list[list[int]] | None = None, device_tokens: torch.Tensor | None = None,
-                 placeholders: list[int] | None = None) -> None:
+                 placeholders: list[int] | None = None, program_width: int | None = None) -> None:
         self._ready = ready
         self.placeholders = placeholders
+        # A chain or tree program's step: device_tokens are its packed rows (chain_graphs.unpack), and a
+        # following step may continue it on the device (Scheduler.follow) with this many tokens per row.
+        self.program_width = program_width
         self._host, self._copied = device_tokens, None
         if device_tokens is not None and device_tokens.is_cuda:
             self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
@@ -41,7 +45,8 @@ class StepOutput:
         if self._ready is None:
             if self._copied is not None:
                 self._copied.synchronize()
-            self._ready = [[t] for t in self._host.tolist()]
+            rows = self._host.tolist()
+            self._ready = unpack(rows) if self.program_width else [[t] for t in rows]
         return self._ready
 
 
@@ -78,6 +83,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, batch: StepBatch, publish: bool) -> StepOutput:
         program = self.spec_graphs if self.recorder is None else None
+        if batch.follow is not None:  # only the program can derive its inputs
+            if program is None or not program.fits(batch):
+                raise ValueError("a following step needs the chain or tree program, at a shape it covers")
+            return self._program_output(program, batch)
         if program is not None:
             fits = program.fits(batch)
             if not fits and any(s.num_draft_tokens for s in batch.seqs):
@@ -87,8 +96,7 @@ class ModelRunner:
                         program.catch_up_backlog(batch)
                     batch, fits = trimmed, True
             if fits:
-                with self.timer.phase("forward"):
-                    return StepOutput(ready=program.run(batch))
+                return self._program_output(program, batch)
         seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
@@ -135,6 +143,10 @@ class ModelRunner:
             if not trees:
                 return self._sample_plain([seqs[i] for i, _, _ in spans], logits, publish)
             return StepOutput(ready=self._choose(seqs, trees, logits, spans, batch.page_size))
+
+    def _program_output(self, program, batch: StepBatch) -> StepOutput:
+        with self.timer.phase("forward"):
+            return StepOutput(device_tokens=program.launch(batch), program_width=program.width)
 
     def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool) -> StepOutput:
         """One token per sequence, sampled without leaving the device."""

@@ -46,6 +46,10 @@ class StepBatch:
 
     seqs: list[ScheduledSeq]
     page_size: int
+    # An overlapped drafting step (`Scheduler.follow`): row i continues row follow[i] of the drafting step
+    # launched last, not yet read back. Its inputs are derived on the device from that step's results; its
+    # ScheduledSeq holds upper bounds (start_pos: the root if that step accepted everything) and pages for them.
+    follow: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +81,7 @@ class Scheduler:
         # Whether a step of only decoding requests drafts at all (spec/plan.py); None: whenever it can.
         self.draft_gate = draft_gate
         self._gate_open = True  # its last answer
+        self._gate_answered = False  # asked already this step (by `follow`)
         # Whether drafting would pay for a batch, asked in steps with prompts: their chunks are worth following
         # only if the batch they join is to draft (spec/plan.py); None: the gate's last answer decides.
         self.follow_gate = follow_gate
@@ -168,7 +173,47 @@ class Scheduler:
         # Drafters follow along only while drafting pays: otherwise they stay behind, and most requests finish
         # before it pays again.
         extend = self.draft_plan is not None and not drafting and self._follows(prompts_pending)
+        self._gate_answered = False
         return StepBatch([self._describe(r, n, d, extend) for r, n, d in scheduled], self.allocator.page_size)
+
+    def follow(self, previous: StepBatch, width: int) -> StepBatch | None:
+        """The next drafting step for the requests of `previous`, a drafting program step still in flight (each
+        adds at most `width` tokens to a request and writes KV up to width - 1 positions past its root), built
+        before it is read back. The host knows each request up to that step's root (num_computed_tokens), so
+        the next root is at most `width` further, and its KV ends `2 * width` tokens past the known ones: pages
+        are reserved for that. None when the next step must be scheduled from exact state instead: prompt work
+        pending, the gate shut, a request the plan drafts for in part, one that `previous` left out, one
+        near its max_tokens or the context end (its last steps run synchronously), the budget or pages short."""
+        if self.draft_plan is None or self._prompt_work_pending():
+            return None
+        rows = [(row, self.requests.get(s.request_id)) for row, s in enumerate(previous.seqs)]
+        rows = [(row, r) for row, r in rows if r is not None and r.status is Status.RUNNING]
+        reserve = 2 * width
+        if (not rows or len(rows) != len(self.running)
+                or len(rows) * (1 + self.max_draft_tokens) > self.config.chunked_prefill_size):
+            return None
+        for _, request in rows:
+            if (request.max_tokens - request.num_output_tokens <= reserve
+                    or request.num_computed_tokens + reserve > self.max_model_len):
+                return None
+        # The gate is asked once a step: if this step is scheduled after all, `schedule` takes its answer.
+        opens, self._gate_answered = self._gate_opens(), True
+        if not opens or any(self.draft_plan(r) < self.max_draft_tokens for _, r in rows):
+            return None
+        if not all(self._grow(request, reserve) for _, request in rows):
+            return None
+        self._gate_answered = False
+        return StepBatch([self._describe_following(request, width) for _, request in rows],
+                         self.allocator.page_size, follow=[row for row, _ in rows])
+
+    def _describe_following(self, request: Request, width: int) -> ScheduledSeq:
+        """A row whose inputs the device derives: the root at its upper bound, the newest known token standing
+        in for the root and the head's catch-up (one row), all drafts scheduled."""
+        root = request.num_computed_tokens + width
+        last = request.token_ids[-1:]
+        return ScheduledSeq(request.request_id, last, root, list(request.page_ids), request.params, sample=True,
+                            sample_seed=None, num_draft_tokens=self.max_draft_tokens, draft_start_pos=root,
+                            draft_catchup_ids=last)
 
     def _follows(self, prompts_pending: bool) -> bool:
         """Whether drafters follow this step. The gate's last answer was given for the last pure decode step's
@@ -197,10 +242,12 @@ class Scheduler:
         return self._gate_open
 
     def _gate_opens(self) -> bool:
-        """Asks the gate about the decoding requests; with none, there is nothing to ask and nothing to draft."""
+        """Asks the gate about the decoding requests (unless `follow` asked it this step); with none, there is
+        nothing to ask and nothing to draft."""
         decoding = self._decoding()
-        if self.draft_gate is not None and decoding:
+        if self.draft_gate is not None and decoding and not self._gate_answered:
             self._gate_open = self.draft_gate(decoding)
+        self._gate_answered = False
         return bool(decoding) and self._gate_open
 
     def _decoding(self) -> list[Request]:
@@ -223,9 +270,10 @@ class Scheduler:
         )
         return max(0, min(self.draft_plan(request), room))
 
-    def trim(self, request: Request) -> None:
-        """Frees pages past the computed tokens: slots of rejected drafts come back at once."""
-        keep = self.allocator.pages_for(request.num_computed_tokens)
+    def trim(self, request: Request, reserve: int = 0) -> None:
+        """Frees pages past the computed tokens (and `reserve` more: the KV a step in flight may write):
+        slots of rejected drafts come back at once."""
+        keep = self.allocator.pages_for(request.num_computed_tokens + reserve)
         if len(request.page_ids) > keep:
             self.allocator.free(request.request_id, request.page_ids[keep:])
             del request.page_ids[keep:]

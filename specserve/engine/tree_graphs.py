@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.engine.chain_graphs import SpecGraphs, page_slots
+from specserve.engine.chain_graphs import SpecGraphs, page_slots, put_where, table_slots
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
 from specserve.spec.proposer import search_depth
@@ -84,6 +84,19 @@ class TreeGraphs(SpecGraphs):
             real_slots[row, :kept] = page_slots(pages, np.arange(root + 1, root + 1 + kept), ps)
         rows.update(root_ids=root_ids, root_pos=root_pos, root_slots=root_slots, real_slots=real_slots, limit=limit)
         return rows, tables
+
+    def _follow_root(self, bs: int, on: torch.Tensor, root: torch.Tensor, table: torch.Tensor) -> None:
+        """As `_describe` writes them: the root's position and slot, and the slots of root + 1.. that accepted
+        nodes move to (as many as the limit and the depth allow)."""
+        ps = self.page_size
+        put_where(self.root_pos[:bs], on[:, 0], root)
+        put_where(self.root_slots[:bs], on[:, 0], table_slots(table, root[:, None], ps)[:, 0])
+        j = torch.arange(self.depth, device=self.device)[None, :]
+        real = torch.where(j < self.limit[:bs, None], table_slots(table, root[:, None] + 1 + j, ps), self.pad_slot)
+        put_where(self.real_slots[:bs], on, real)
+
+    def _roots(self, bs: int) -> torch.Tensor:
+        return self.root_pos[:bs]
 
     def _metas(self, bs: int, n: int) -> dict:
         return {}  # the program builds its metadata from its own tensors, on every device
