@@ -53,7 +53,7 @@ sweep() {
   if [[ -n $SWEEP_HIGH ]]; then
     python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency "$SWEEP_HIGH" --out "$OUT/${name}_c10.jsonl"
   fi
-  cat "$OUT/${name}"_c1*.jsonl > "$OUT/offline_8b_${name}.jsonl"
+  cat "$OUT/${name}"_c1.jsonl "$OUT/${name}"_c10.jsonl 2>/dev/null > "$OUT/offline_8b_${name}.jsonl"
   rm -f "$OUT/${name}"_c1*.*
 }
 if want sweep; then

@@ -132,6 +132,8 @@ def plot(runs: list[tuple[str, list[dict]]], out: str | Path, title: str) -> Non
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for label, records in runs:
+        # Joined sweeps need not list their levels in order; the lines must run along the axis.
+        records = sorted(records, key=lambda r: r.get("request_rate") or r["concurrency"])
         xs = [r.get("request_rate") or r["concurrency"] for r in records]
         line = axes[0].plot(xs, [r["output_tok_s"] for r in records], marker="o", label=label)[0]
         for ax, key in ((axes[1], "e2e_latency_ms"), (axes[2], "tpot_ms")):
