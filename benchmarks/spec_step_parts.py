@@ -3,8 +3,9 @@ a random EAGLE-3 head of matching shape, one GPU.
 
 Each part of the chain and tree programs (the head's catch-up and drafting; the target's verification) is
 captured in a CUDA graph of its own, from the program's own buffers, and replayed back to back (no host work
-in between), beside a plain batch-1 decode step of the same context. The sum of the parts against the whole
-program shows what the split costs; the parts against plain decode show what speculation adds to a step.
+in between), beside a plain batch-1 decode step of the same context. The whole program (`_step`: with the
+inputs of rows that follow the last launch, and what it leaves for the next) against the sum of the parts shows
+what the rest costs; the parts against plain decode show what speculation adds to a step.
 
     python benchmarks/spec_step_parts.py --out benchmarks/results/spec_step_parts_h200.json
 """
@@ -66,14 +67,14 @@ def chain_parts(program, n: int) -> dict:
     metas = program._metas(1, n)
     draft, drafts = graphed(lambda: program._draft(1, metas))
     verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
-    whole, _ = graphed(lambda: program._forward(1, n, metas, program.forced[:1]))
+    whole, _ = graphed(lambda: program._step(1, n, program.forced[:1]))
     return {"draft: head catch-up + k drafts": draft, "verify: target over root + k": verify, "whole step": whole}
 
 
 def tree_parts(program, n: int) -> dict:
     search, nodes = graphed(lambda: program._select(1, *program._search(1, n)))
     verify, _ = graphed(lambda: program._verify(1, n, nodes))
-    whole, _ = graphed(lambda: program._forward(1, n, {}, program.forced[:1]))
+    whole, _ = graphed(lambda: program._step(1, n, program.forced[:1]))
     return {"draft: head catch-up + search + select": search, "verify: target over root + N": verify,
             "whole step": whole}
 

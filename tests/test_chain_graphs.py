@@ -268,3 +268,34 @@ def test_overlapped_drafting_steps_draft_what_synchronous_steps_draft(smollm2_di
         llm.engine.runner.launch = type(llm.engine.runner).launch.__get__(llm.engine.runner)
     assert runs[0] == runs[1]
     assert sum(accepted for _, _, accepted in runs[0]) > 10
+
+
+def test_a_row_that_drafted_nothing_is_not_followed(smollm2_dir):
+    """A plan that holds one request back for the first 20 steps (no drafts, its head left behind) while the
+    others draft, then lets it draft: the step after the one in which it was last held must catch its head up on
+    all it missed, which only a step scheduled from exact state does. The plan decides by step count alone, so
+    both runs make the same decisions, and each request accepts exactly what it accepts without overlap."""
+    from specserve import draft_heads
+
+    llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3))
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
+               ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    scheduler, asked = llm.engine.scheduler, [0]
+
+    def gate(requests):
+        asked[0] += 1
+        return True
+
+    def plan(request):
+        held = int(request.request_id) % 3 == 0 and asked[0] < 20
+        return 0 if held else 3
+    scheduler.draft_gate, scheduler.draft_plan = gate, plan
+    runs = []
+    for overlap in (True, False):
+        llm.engine.overlap, asked[0] = overlap, 0
+        following = _count_following(llm.engine)
+        runs.append(_generate(llm, prompts, params, chain=True))
+        assert (len(following) > 5) == overlap
+        llm.engine.runner.launch = type(llm.engine.runner).launch.__get__(llm.engine.runner)
+    assert runs[0] == runs[1]

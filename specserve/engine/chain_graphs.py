@@ -55,8 +55,9 @@ def accept_chain(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor 
 
 class SpecGraphs:
     """What chain and tree programs share: per-step inputs in one device buffer (one upload), graphs captured
-    per (batch bucket, context bucket), and a step that replays (or, on a CPU, runs) the program and reads
-    back each sequence's new tokens once. Subclasses define the buffers, the rows and the program."""
+    per (batch bucket, context bucket), a launch that replays (or, on a CPU, runs) the program and leaves each
+    sequence's new tokens packed for one read-back, and rows that follow the last launch (`_follow`).
+    Subclasses define the buffers, the rows and the program."""
 
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int, pad_slot: int,
                  max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng) -> None:
@@ -85,7 +86,7 @@ class SpecGraphs:
         total = sum(int(np.prod(shape)) for shape, _ in shapes.values())
         self._flat = torch.zeros(total, dtype=torch.long, device=self.device)
         # On a GPU the host side lives in pinned memory, written in place each step: a fresh pinned copy per
-        # step cost host time in the step the host waits on (drafting steps are read back before the next).
+        # step cost host time (with steps in flight, the host rewrites it once the last upload is done).
         pinned = self.device.type == "cuda"
         self._host_tensor = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
         self._host = self._host_tensor.numpy()
@@ -269,7 +270,7 @@ class SpecGraphs:
 
     def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
         if self._uploaded is not None:
-            self._uploaded.synchronize()  # done already (the last step was read back); this only makes sure
+            self._uploaded.synchronize()  # the last step's upload; the step before that has been read back
         # Only the first bs rows are written: a graph of batch bucket bs reads no others.
         for name, view in self._host_views.items():
             if name in rows:
@@ -447,6 +448,7 @@ def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.n
 
 def table_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """page_slots on the device: table [B, pages] int32, positions [B, R] -> slots [B, R]. Positions past the
-    table (in rows that are padding) take its last page."""
+    table take its last page: only rows whose results are discarded (padding, rows that do not follow) reach
+    past it."""
     page = (positions // page_size).clamp(max=table.shape[1] - 1)
     return table.gather(1, page).long() * page_size + positions % page_size

@@ -34,7 +34,8 @@ class Runner(Protocol):
         ...
 
     def launch(self, batch: StepBatch, publish: bool = False):
-        """Queues a step without drafts; returns a StepOutput whose tokens are read back later."""
+        """Queues a step (without drafts, or a chain or tree program's); returns a StepOutput whose tokens are
+        read back later."""
         ...
 
 
@@ -96,7 +97,8 @@ class EngineCore:
         self._last_step: tuple[StepBatch, float] | None = None  # for the observer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.timer = NoTimer()
-        # Steps that draft run synchronously: drafting reads the tokens on the host.
+        # With overlap, steps that draft by the general search still run synchronously (it reads the tokens on
+        # the host); the chain and tree programs' steps overlap (`Scheduler.follow`).
         self.overlap = overlap
         self.in_flight: _InFlight | None = None
         self._known: dict[int, int] = {}  # placeholder -> token, from the last read-back
@@ -231,6 +233,7 @@ class EngineCore:
             return self._program_flight(self.runner.launch(batch), batch)
         except Exception:
             log.exception("a following drafting step failed to launch; scheduling from exact state instead")
+            self.scheduler.hold_gate_answer()
             return None
 
     def _program_flight(self, output, batch: StepBatch) -> _InFlight:

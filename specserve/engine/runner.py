@@ -75,8 +75,9 @@ class ModelRunner:
         return self.launch(batch).tokens()
 
     def launch(self, batch: StepBatch, publish: bool = False) -> StepOutput:
-        """Queues the step on the device. A step without drafts returns before its tokens are read back;
-        with `publish`, it also stores them as futures that the next step's inputs may name."""
+        """Queues the step on the device. A step without drafts, or a chain or tree program's step, returns
+        before its tokens are read back; with `publish`, a step without drafts also stores them as futures that
+        the next step's inputs may name. A batch with `follow` takes the program (its inputs are on the device)."""
         with self.untimed_gemv():
             return self._launch(batch, publish)
 

@@ -182,12 +182,16 @@ class Scheduler:
         before it is read back. The host knows each request up to that step's root (num_computed_tokens), so
         the next root is at most `width` further, and its KV ends `2 * width` tokens past the known ones: pages
         are reserved for that. None when the next step must be scheduled from exact state instead: prompt work
-        pending, the gate shut, a request the plan drafts for in part, one that `previous` left out, one
-        near its max_tokens or the context end (its last steps run synchronously), the budget or pages short."""
+        pending, the gate shut, a request the plan would not draft for in full, a row of `previous` whose head
+        did not catch up to its root (it drafted nothing: the device would skip what it missed), a request
+        `previous` left out, one near its max_tokens or the context end (its last steps run synchronously), the
+        budget or pages short."""
         if self.draft_plan is None or self._prompt_work_pending():
             return None
-        rows = [(row, self.requests.get(s.request_id)) for row, s in enumerate(previous.seqs)]
-        rows = [(row, r) for row, r in rows if r is not None and r.status is Status.RUNNING]
+        rows = [(row, s, self.requests.get(s.request_id)) for row, s in enumerate(previous.seqs)]
+        if any(s.draft_start_pos + len(s.draft_catchup_ids) != s.start_pos + 1 for _, s, _ in rows):
+            return None
+        rows = [(row, r) for row, _, r in rows if r is not None and r.status is Status.RUNNING]
         reserve = 2 * width
         if (not rows or len(rows) != len(self.running)
                 or len(rows) * (1 + self.max_draft_tokens) > self.config.chunked_prefill_size):
@@ -206,9 +210,15 @@ class Scheduler:
         return StepBatch([self._describe_following(request, width) for _, request in rows],
                          self.allocator.page_size, follow=[row for row, _ in rows])
 
+    def hold_gate_answer(self) -> None:
+        """The gate was asked this step by a following step that was not launched after all: `schedule` takes
+        that answer instead of asking again."""
+        self._gate_answered = True
+
     def _describe_following(self, request: Request, width: int) -> ScheduledSeq:
         """A row whose inputs the device derives: the root at its upper bound, the newest known token standing
-        in for the root and the head's catch-up (one row), all drafts scheduled."""
+        in for the root and the head's catch-up (one row, ending at the root as a real step's does), all drafts
+        scheduled."""
         root = request.num_computed_tokens + width
         last = request.token_ids[-1:]
         return ScheduledSeq(request.request_id, last, root, list(request.page_ids), request.params, sample=True,
