@@ -174,7 +174,8 @@ class EngineConfig:
     cache_dir: str | None = None  # where converted GGUF checkpoints are kept
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
-    # Overlap scheduling (on a GPU; steps that draft run synchronously): prepare step N+1 while step N runs.
+    # Overlap scheduling (on a GPU; chain and tree program steps too, the general draft search not): prepare step
+    # N+1 while step N runs.
     disable_overlap: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

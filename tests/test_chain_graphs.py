@@ -299,3 +299,35 @@ def test_a_row_that_drafted_nothing_is_not_followed(smollm2_dir):
         assert (len(following) > 5) == overlap
         llm.engine.runner.launch = type(llm.engine.runner).launch.__get__(llm.engine.runner)
     assert runs[0] == runs[1]
+
+
+def test_a_following_step_that_fails_to_launch_falls_back_to_a_scheduled_step(tmp_path, tiny_checkpoint):
+    """If launching a following step raises, the engine waits for the step in flight and schedules the next
+    from exact state, with the gate's answer of that step (asked once a step, as without overlap)."""
+    engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
+    engine.overlap = True
+    asked, failed, launch = [], [], engine.runner.launch
+
+    def flaky(batch, publish=False):
+        if batch.follow is not None and len(failed) % 2 == 0:
+            failed.append(len(batch.seqs))
+            raise RuntimeError("injected launch failure")
+        if batch.follow is not None:
+            failed.append(0)
+        return launch(batch, publish)
+    engine.runner.launch = flaky
+    engine.scheduler.draft_gate = lambda requests: asked.append(1) or True
+    step = engine.step
+
+    def one_question_a_step():
+        before = len(asked)
+        deltas = step()
+        assert len(asked) - before <= 1
+        return deltas
+    engine.step = one_question_a_step
+    prompts = _prompts(512, seed=4)
+    outputs, _ = run_staggered(engine, prompts, max_tokens=48)
+    assert sum(1 for n in failed if n) > 3 and 0 in failed
+    assert outputs == _hf_greedy(path, prompts, max_tokens=48)
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages
