@@ -115,7 +115,8 @@ def main() -> None:
     from specserve.layers import triton_gemv
 
     gemv = [{"weight": list(k[0]), "rows": k[2], "silu_mul": k[3], "chosen": str(triton_gemv.choice.best[k]),
-             "cublas_us": round(t["cublas"], 2), "best_tile_us": round(min(v for n, v in t.items() if n != "cublas"), 2)}
+             "cublas_us": round(t["cublas"], 2),
+             "best_tile_us": round(min(v for n, v in t.items() if n != "cublas"), 2)}
             for k, t in triton_gemv.choice.timings.items()]
     report = {"benchmark": "spec_step_parts", "unit": "ms of device time per replay", "hardware": hardware_info(),
               "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head", "batch_size": 1},

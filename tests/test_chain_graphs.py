@@ -277,7 +277,8 @@ def test_a_row_that_drafted_nothing_is_not_followed(smollm2_dir):
     both runs make the same decisions, and each request accepts exactly what it accepts without overlap."""
     from specserve import draft_heads
 
-    llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3))
+    spec = SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3)
+    llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=spec)
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
                ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)

@@ -360,7 +360,8 @@ class ChainGraphs(SpecGraphs):
             i = torch.arange(k - 1, device=self.device)[None, :]
             pos = root[:, None] + i
             put_where(self.extend_pos[: k - 1, :bs], on.T, pos.T)
-            put_where(self.extend_slots[: k - 1, :bs], on.T, torch.where(i < drafts, table_slots(table, pos, ps), pad).T)
+            slots = torch.where(i < drafts, table_slots(table, pos, ps), pad)
+            put_where(self.extend_slots[: k - 1, :bs], on.T, slots.T)
         j = torch.arange(self.width, device=self.device)[None, :]
         pos = root[:, None] + j
         put_where(self.verify_pos[:bs], on, pos)
