@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from specserve.config import SchedulerConfig
 from specserve.engine.kv_pages import OutOfPages, PageAllocator
 from specserve.engine.request import FinishReason, Request, Status
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.sampling_params import SamplingParams
 
 
@@ -194,3 +195,40 @@ def test_without_speculation_prompt_chunks_and_decoding_share_steps():
     batch = sched.schedule()
     assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 1), ("b", 11)]
     assert all(not s.draft_catchup_ids for s in batch.seqs)
+
+
+def test_a_following_step_reserves_pages_for_the_most_the_step_in_flight_accepts():
+    """`follow` builds the next drafting step before the one in flight is read back: pages for 2 * width tokens
+    past the known ones (that step's root may move up to width, and the next writes width - 1 past its own),
+    the root at its upper bound, every draft scheduled. It declines, leaving pages and gate alone, where the
+    next step must be scheduled from exact state."""
+    width = 4  # a chain of 3 drafts
+    alloc = PageAllocator(num_pages=40, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=64), alloc, max_model_len=128,
+                      draft_plan=lambda request: 3, max_draft_tokens=3)
+    for rid, max_tokens in (("a", 40), ("b", 40)):
+        sched.add(_request(rid, 10, max_tokens))
+    for seq in sched.schedule().seqs:  # both prompts in one step
+        request = sched.requests[seq.request_id]
+        request.num_computed_tokens = request.num_draft_computed_tokens = 10
+        request.token_ids.append(7)
+    drafting = sched.schedule()
+    assert [s.num_draft_tokens for s in drafting.seqs] == [3, 3]
+    follow = sched.follow(drafting, width)
+    assert follow.follow == [0, 1]
+    for seq, request in zip(follow.seqs, sched.running):
+        assert seq.start_pos == request.num_computed_tokens + width == 14 and seq.num_draft_tokens == 3
+        assert len(request.page_ids) * alloc.page_size >= request.num_computed_tokens + 2 * width
+    # A request that drafted nothing in the step in flight: its head would skip what it missed.
+    held = StepBatch([drafting.seqs[0], replace(drafting.seqs[1], num_draft_tokens=0, draft_catchup_ids=[])], 4)
+    assert sched.follow(held, width) is None
+    # A request near its max_tokens, or a finished one that was the only row: from exact state.
+    sched.requests["a"].max_tokens = sched.requests["a"].num_output_tokens + 2 * width
+    assert sched.follow(drafting, width) is None
+    sched.requests["a"].max_tokens = 40
+    sched.finish(sched.requests["b"], FinishReason.STOP)
+    assert sched.follow(drafting, width).follow == [0]  # b is gone: a continues its row
+    # A prompt that could be admitted now makes the next step wait and schedule it.
+    sched.add(_request("c", 6, 10))
+    free = alloc.num_free
+    assert sched.follow(drafting, width) is None and alloc.num_free == free
