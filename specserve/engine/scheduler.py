@@ -188,10 +188,10 @@ class Scheduler:
         budget or pages short."""
         if self.draft_plan is None or self._prompt_work_pending():
             return None
-        rows = [(row, s, self.requests.get(s.request_id)) for row, s in enumerate(previous.seqs)]
-        if any(s.draft_start_pos + len(s.draft_catchup_ids) != s.start_pos + 1 for _, s, _ in rows):
+        if any(s.draft_start_pos + len(s.draft_catchup_ids) != s.start_pos + 1 for s in previous.seqs):
             return None
-        rows = [(row, r) for row, _, r in rows if r is not None and r.status is Status.RUNNING]
+        rows = [(row, self.requests.get(s.request_id)) for row, s in enumerate(previous.seqs)]
+        rows = [(row, r) for row, r in rows if r is not None and r.status is Status.RUNNING]
         reserve = 2 * width
         if (not rows or len(rows) != len(self.running)
                 or len(rows) * (1 + self.max_draft_tokens) > self.config.chunked_prefill_size):
