@@ -92,15 +92,13 @@ def gemv_bandwidth(model) -> list[dict]:
     for name, weight in shapes.items():
         for m in (1, 4, 16):
             x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device="cuda")
-            silu_mul = name == "down"  # as the model calls it: SiLU-and-multiply folded in
-            if silu_mul:
-                x = torch.randn(m, 2 * weight.shape[1], dtype=weight.dtype, device="cuda")
+            gate_up = name == "gate_up"  # as the model calls it: SiLU-and-multiply on the outputs
             # A fresh chooser, so this x (m rows) is what gets timed.
             choice = triton_gemv.Choice()
-            tile = choice.tile(x, weight, silu_mul)  # times cuBLAS and every tile in a CUDA graph
-            times = choice.timings[choice.key(x, weight, silu_mul)]
+            tile = choice.tile(x, weight, gate_up)  # times cuBLAS and every tile in a CUDA graph
+            times = choice.timings[choice.key(x, weight, gate_up)]
             best = min(v for k, v in times.items() if k != "cublas")
-            rows.append({"what": f"{name} {tuple(weight.shape)} M={m}" + (" +silu_mul" if silu_mul else ""),
+            rows.append({"what": f"{name} {tuple(weight.shape)} M={m}" + (" +silu_mul" if gate_up else ""),
                          "cublas_us": round(times["cublas"], 2), "cublas_gb_s": gb(weight, times["cublas"]),
                          "triton_us": round(best, 2), "triton_gb_s": gb(weight, best), "chosen": str(tile)})
     return rows

@@ -139,9 +139,7 @@ def main() -> None:
         r["ratio_to_plain"] = r["decode_tok_s"] / plain[r["batch_size"]]
     from specserve.layers import triton_gemv
 
-    gemv = [{"weight": list(k[0]), "rows": k[2], "silu_mul": k[3], "chosen": str(triton_gemv.choice.best[k]),
-             "cublas_us": round(t["cublas"], 2), "best_tile_us": round(min(v for n, v in t.items() if n != "cublas"), 2)}
-            for k, t in triton_gemv.choice.timings.items()]
+    gemv = triton_gemv.choice.report()
     report = {"benchmark": "spec_off_tax", "gemv_choices": gemv, "hardware": hardware_info(), "simulated": "the acceptance of the chain and tree rows",
               "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16"}, "results": rows}
     with open(args.out, "w") as f:

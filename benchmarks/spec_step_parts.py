@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from profile_gpu_step import cuda_ms
+from profile_gpu_step import cuda_ms, top_kernels
 from specserve.bench.decode import hardware_info
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.factory import build_engine_core
@@ -84,7 +84,7 @@ def plain_step(runner, context: int, page_size: int):
     return lambda: runner.graphs.run([1], [context], [table])
 
 
-def measure(spec: SpecConfig, context: int, repeats: int) -> dict:
+def measure(spec: SpecConfig, context: int, repeats: int, kernels: bool) -> dict:
     engine, _ = build_engine_core(replace(BASE, spec=spec), progress=False)
     runner = engine.runner
     program = runner.spec_graphs
@@ -93,6 +93,8 @@ def measure(spec: SpecConfig, context: int, repeats: int) -> dict:
         parts = (chain_parts if spec.eagle_topk == 1 else tree_parts)(program, n)
         parts["plain decode step"] = plain_step(runner, context, BASE.cache.page_size)
         times = {name: round(cuda_ms(fn, repeats), 4) for name, fn in parts.items()}
+        if kernels:  # each part's kernels inside its graph, by total device time
+            times["kernels"] = {name: top_kernels(fn, limit=25) for name, fn in parts.items()}
     drafting = next(v for k, v in times.items() if k.startswith("draft"))
     verify = next(v for k, v in times.items() if k.startswith("verify"))
     times["verify - plain"] = round(verify - times["plain decode step"], 4)
@@ -106,18 +108,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--context", type=int, default=600, help="tokens before the step's root")
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--setups", nargs="+", choices=["chain", "tree"], default=["chain", "tree"])
+    p.add_argument("--kernels", action="store_true", help="also list each part's top kernels (torch.profiler)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     results = {}
-    for name, spec in (("chain 3 drafts", CHAIN), ("tree top-4, 5 steps, 16 tokens", TREE)):
-        results[name] = measure(spec, args.context, args.repeats)
-        print(name, results[name], flush=True)
+    setups = {"chain": ("chain 3 drafts", CHAIN), "tree": ("tree top-4, 5 steps, 16 tokens", TREE)}
+    for name, spec in (setups[s] for s in args.setups):
+        results[name] = measure(spec, args.context, args.repeats, args.kernels)
+        print(name, {k: v for k, v in results[name].items() if k != "kernels"}, flush=True)
     from specserve.layers import triton_gemv
 
-    gemv = [{"weight": list(k[0]), "rows": k[2], "silu_mul": k[3], "chosen": str(triton_gemv.choice.best[k]),
-             "cublas_us": round(t["cublas"], 2),
-             "best_tile_us": round(min(v for n, v in t.items() if n != "cublas"), 2)}
-            for k, t in triton_gemv.choice.timings.items()]
+    gemv = triton_gemv.choice.report()
     report = {"benchmark": "spec_step_parts", "unit": "ms of device time per replay", "hardware": hardware_info(),
               "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head", "batch_size": 1},
               "results": results, "gemv_choices": gemv}

@@ -6,9 +6,10 @@ weights). Packing at load keeps fp32 math and cuts that cost; the hand-written k
 cuts it again, and oneDNN is the fallback where that kernel cannot be built. A weight whose values are all
 bf16 numbers (loaded from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
 On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for each weight
-shape (and row count: one, or several) where it timed faster than cuBLAS; the MLP's down projection takes
-SiLU-and-multiply folded into that GEMV, and in bf16 a decoder layer whose `qkv` projection takes it folds its
-RMSNorms and residual adds into the GEMVs around them (models/llama.py). Everything else uses plain `F.linear`.
+shape (and row count: one, or several) where it timed faster than cuBLAS; the MLP's gate/up projection applies
+SiLU-and-multiply to its outputs inside that GEMV, and in bf16 a decoder layer whose `qkv` projection takes it
+with its RMSNorm folded in folds its norms and residual adds into the GEMVs around them (models/llama.py).
+Everything else uses plain `F.linear`.
 """
 from __future__ import annotations
 
@@ -57,17 +58,17 @@ class Linear(nn.Linear):
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def forward_silu_and_mul(self, gate_up: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """self(silu(gate) * up) (+ add) for gate_up = [gate | up]; one kernel where the Triton GEMV runs."""
-        if gate_up.is_cuda:
-            return self._forward_gpu(gate_up, silu_mul=True, add=add)
-        return self(pointwise.silu_and_mul(gate_up), add=add)
+    def forward_gated(self, x: torch.Tensor, norm=None) -> torch.Tensor:
+        """silu(gate) * up, where self(norm(x)) = [gate | up]; one kernel where the Triton GEMV runs."""
+        if x.is_cuda:
+            return self._forward_gpu(x, gate_up=True, norm=norm)
+        return pointwise.silu_and_mul(self(x, norm=norm))
 
     def folds_norm(self, x: torch.Tensor) -> bool:
-        """Whether a call on x would apply an RMSNorm inside the Triton GEMV (see `forward`)."""
-        return FOLD_NORMS and x.dtype == torch.bfloat16 and self.gemv_tile(x) is not None
+        """Whether a call on x with a norm would apply it inside the Triton GEMV (see `forward`)."""
+        return FOLD_NORMS and x.dtype == torch.bfloat16 and self.gemv_tile(x, norm=True) is not None
 
-    def gemv_tile(self, x: torch.Tensor, silu_mul: bool = False):
+    def gemv_tile(self, x: torch.Tensor, gate_up: bool = False, norm: bool = False):
         """The Triton GEMV tile that a call on x would run, or None where it takes cuBLAS."""
         rows = x.reshape(-1, x.shape[-1])
         if not (TRITON_GEMV and x.is_cuda and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
@@ -75,26 +76,28 @@ class Linear(nn.Linear):
             return None
         from specserve.layers import triton_gemv
 
-        return triton_gemv.choice.tile(rows, self.weight, silu_mul) if x.dtype in triton_gemv.DTYPES else None
+        return triton_gemv.choice.tile(rows, self.weight, gate_up, norm) if x.dtype in triton_gemv.DTYPES else None
 
-    def _forward_gpu(self, x: torch.Tensor, silu_mul: bool = False, norm=None, add=None) -> torch.Tensor:
-        if norm is not None and x.dtype != torch.bfloat16:
-            # The fold scales x by the norm's weight before the reciprocal RMS: fp16 could overflow there.
+    def _forward_gpu(self, x: torch.Tensor, gate_up: bool = False, norm=None, add=None) -> torch.Tensor:
+        if norm is not None and (x.dtype != torch.bfloat16 or not FOLD_NORMS):
+            # Folds are bf16 only: they scale x by the norm's weight before the reciprocal RMS, where fp16 could
+            # overflow.
             x, norm = norm(x), None
-        tile = self.gemv_tile(x, silu_mul)
+        tile = self.gemv_tile(x, gate_up, norm is not None)
         if tile is not None:
             from specserve.layers import triton_gemv
 
+            out_features = self.out_features // (2 if gate_up else 1)
             rows = x.reshape(-1, x.shape[-1])
-            residual = None if add is None else add.reshape(-1, self.out_features)
-            out = triton_gemv.gemv(rows, self.weight, tile, silu_mul, None if norm is None else norm.weight,
-                                   0.0 if norm is None else norm.eps, residual)
-            return out.view(*x.shape[:-1], self.out_features)
-        if silu_mul:
-            x = pointwise.silu_and_mul(x)
+            residual = None if add is None else add.reshape(-1, out_features)
+            out = triton_gemv.gemv(rows, self.weight, tile, None if norm is None else norm.weight,
+                                   0.0 if norm is None else norm.eps, residual, gate_up)
+            return out.view(*x.shape[:-1], out_features)
         if norm is not None:
             x = norm(x)
         out = F.linear(x, self.weight, self.bias)
+        if gate_up:
+            out = pointwise.silu_and_mul(out)
         return out if add is None else out + add
 
     def prepack(self, max_batch_hint: int = 8) -> None:

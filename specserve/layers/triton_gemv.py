@@ -5,8 +5,8 @@ matmul comes to the GPU's memory bandwidth. cuBLAS gets there for wide matrices,
 third of the bandwidth unused on the narrower ones of an 8B Llama (attention output: 4096 x 4096, 2.6 of
 4.3 TB/s timed in a CUDA graph, split over K with a separate reduction kernel). Here each program owns BLOCK_N output
 features and streams their rows over the whole K, so there is nothing to reduce afterwards. The MLP's down
-projection can also take the gate/up projection as it comes and apply SiLU-and-multiply while loading it,
-which saves that kernel's launch and its trip through memory.
+gate/up projection can apply SiLU-and-multiply to its outputs before it stores them (each program takes the
+same features of both halves), which saves that kernel's launch and its trip through memory.
 
 Which kernel, and which tile shape, runs for a weight shape is decided the first time the shape is seen, by
 timing every candidate, cuBLAS included, inside a CUDA graph (the way decode steps run: without launch
@@ -29,6 +29,11 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
+# Kernels of several rows let the next kernel launch (PDL) only once their main loop is done. Launched at their
+# start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
+# with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up one ran 20-100 us slower
+# in an 8B verify step than alone (benchmarks/verify_gemv_choices.py). SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
+LATE_TRIGGER = os.environ.get("SPECSERVE_GEMV_LATE_TRIGGER", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -42,18 +47,22 @@ class Tile:
 # One row: FMAs on CUDA cores; several rows: a tensor-core dot with the rows padded to 16.
 ONE_ROW_TILES = [Tile(n, k, w, s) for n, k in ((4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256))
                  for w, s in ((4, 3), (4, 5), (8, 4))]
-ROWS_TILES = [Tile(n, k, w, s) for n, k in ((16, 128), (16, 256), (32, 128), (32, 256), (64, 128))
-              for w, s in ((4, 3), (4, 5))]
+# The row tiles that came within 2 % of the best on some 8B shape at 4 or 16 rows (the 128-wide ones for the
+# gate/up form, which streams two weight tiles), and one narrow tile for small models.
+ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Tile(32, 256, 4, 4), Tile(32, 256, 4, 5),
+              Tile(64, 128, 4, 3), Tile(64, 128, 4, 4), Tile(64, 256, 4, 4), Tile(128, 128, 4, 3),
+              Tile(128, 128, 8, 3)]
 
 
 @triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
 def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
-                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-                 ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, GATE_UP: tl.constexpr,
+                 NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + N * stride_wn  # GATE_UP: W holds [gate; up], 2N rows, and each program takes both halves
     m = tl.arange(0, ROWS)
     if ONE_ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -61,53 +70,92 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
     else:
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    acc_up = acc
     # The first weight tile does not depend on the kernel before: it is read while that one finishes.
     k = tl.arange(0, BLOCK_K)
     w = _load_w(w_rows, k, n_ok, K, EVEN)
+    if GATE_UP:
+        w_up = _load_w(up_rows, k, n_ok, K, EVEN)
+    else:
+        w_up = w
     if PDL:
-        gdc_launch_dependents()
+        if ONE_ROW or not LATE_TRIGGER:
+            gdc_launch_dependents()
         gdc_wait()
-    acc, squares = _accumulate(acc, squares, w, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW, SILU_MUL, NORM)
+    acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW,
+                                       GATE_UP, NORM)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        acc, squares = _accumulate(acc, squares, _load_w(w_rows, k, n_ok, K, EVEN), X, GAMMA, k, m, M, K,
-                                   stride_xm, ONE_ROW, SILU_MUL, NORM)
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
+        if GATE_UP:
+            w_up = _load_w(up_rows, k, n_ok, K, EVEN)
+        acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
+                                           ONE_ROW, GATE_UP, NORM)
+    if PDL and not ONE_ROW and LATE_TRIGGER:
+        gdc_launch_dependents()
     if ONE_ROW:
         out = tl.sum(acc, 1)
         if NORM:
-            out = out * tl.rsqrt(tl.sum(squares, 0) / K + eps)
+            scale = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+            out = out * scale
+        if GATE_UP:
+            up = tl.sum(acc_up, 1)
+            if NORM:
+                up = up * scale
+            out = _silu_times(out.to(OUT.dtype.element_ty), up.to(OUT.dtype.element_ty)).to(tl.float32)
         if ADD:
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
         ok = (m < M)[:, None] & n_ok[None, :]
         if NORM:
-            acc = acc * tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
+            scale = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
+            acc = acc * scale
+        if GATE_UP:
+            if NORM:
+                acc_up = acc_up * scale
+            acc = _silu_times(acc.to(OUT.dtype.element_ty), acc_up.to(OUT.dtype.element_ty)).to(tl.float32)
         if ADD:
             acc += tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(OUT + m[:, None] * stride_om + n[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _accumulate(acc, squares, w, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr,
-                NORM: tl.constexpr):
-    """With NORM, x is the residual stream before RMSNorm: its squares are summed (the reciprocal RMS scales
-    the outputs at the end) and it is scaled by the norm's weight on the way in."""
+def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
+                GATE_UP: tl.constexpr, NORM: tl.constexpr):
+    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, NORM)
+    acc = _product(acc, w, x, ONE_ROW)
+    if GATE_UP:
+        acc_up = _product(acc_up, w_up, x, ONE_ROW)
+    return acc, acc_up, squares
+
+
+@triton.jit
+def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.constexpr, NORM: tl.constexpr):
+    """x at columns k, as the product takes it. With NORM, x is the residual stream before RMSNorm: its squares
+    are summed (the reciprocal RMS scales the outputs at the end) and it is scaled by the norm's weight."""
     k_ok = k < K
     if ONE_ROW:
-        x = _load_x(X, k, k_ok, K, SILU_MUL).to(tl.float32)
+        x = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:
             squares += x * x
             x = x * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
     else:
-        x = _load_x(X + m[:, None] * stride_xm, k[None, :], (m < M)[:, None] & k_ok[None, :], K, SILU_MUL)
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             squares += xf * xf
-            x = (xf * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
+            x = (xf * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+    return x, squares
+
+
+@triton.jit
+def _product(acc, w, x, ONE_ROW: tl.constexpr):
+    if ONE_ROW:  # FMAs on CUDA cores, summed over the tile's columns at the end
+        acc += w.to(tl.float32) * x[None, :]
+    else:
         acc += tl.dot(x, tl.trans(w))
-    return acc, squares
+    return acc
 
 
 @triton.jit
@@ -118,32 +166,26 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_x(X, k, ok, K, SILU_MUL: tl.constexpr):
-    """x at columns k; with SILU_MUL, X holds [gate | up] (2K wide) and x = silu(gate) * up, rounded where
-    the unfused kernels round (silu(gate) to the model dtype, then the product)."""
-    if SILU_MUL:
-        gate = tl.load(X + k, mask=ok, other=0.0)
-        up = tl.load(X + K + k, mask=ok, other=0.0)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    else:
-        x = tl.load(X + k, mask=ok, other=0.0)
-    return x
+def _silu_times(gate, up):
+    """silu(gate) * up, rounded where the unfused kernels round (gate and up to the model dtype, as the
+    projection stores them; silu(gate); then the product)."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, silu_mul: bool = False,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None
-         ) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.Tensor | None = None,
+         eps: float = 0.0, residual: torch.Tensor | None = None, gate_up: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32. With
-    `silu_mul`, x is [M, 2K] = [gate | up] and silu(gate) * up is multiplied instead. With `norm_weight`,
-    RMSNorm(x) (that weight, `eps`) is multiplied instead of x, and `residual` [M, N] is added to the result:
+    `gate_up`, the weight is [gate; up] and the result is silu(x @ gate^T) * (x @ up^T), [M, N/2]. With `norm_weight`,
+    RMSNorm(x) (that weight, `eps`) is multiplied instead of x, and `residual` is added to the result:
     a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
     rows = x.shape[0]
     out_features, width = weight.shape
     if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
-            or x.shape[1] != width * (2 if silu_mul else 1) or (silu_mul and norm_weight is not None)):
+            or x.shape[1] != width or (gate_up and out_features % 2)):
         raise ValueError("gemv takes at most 16 bf16/fp16 rows of the weight's width, each contiguous")
+    out_features //= 2 if gate_up else 1
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
@@ -152,23 +194,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, silu_mul: bool = Fal
         x, weight, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
         out.stride(0), residual.stride(0) if residual is not None else 0, eps, ROWS=MAX_ROWS,
-        ONE_ROW=rows == 1, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
+        ONE_ROW=rows == 1, GATE_UP=gate_up, NORM=norm_weight is not None, ADD=residual is not None,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **triton_pdl.launch_options(x))
+        num_stages=tile.num_stages, LATE_TRIGGER=LATE_TRIGGER, **triton_pdl.launch_options(x))
     return out
 
 
-def _cublas(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-    if silu_mul:
-        from specserve.layers import triton_pointwise
+def _cublas(x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False,
+            norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """What a call takes where no tile runs: the norm and SiLU-and-multiply as kernels of their own."""
+    from specserve.layers import pointwise
 
-        x = triton_pointwise.silu_and_mul(x)
-    return F.linear(x, weight)
+    if norm_weight is not None:
+        x = pointwise.rms_norm(x, norm_weight, 1e-5)
+    out = F.linear(x, weight)
+    return pointwise.silu_and_mul(out) if gate_up else out
 
 
 # Row counts are decided per bucket, each timed at its own size: cuBLAS and the tiles scale differently with
-# the rows (an 8B Llama's SiLU-fused down projection: tiles win at one row, lose 3x at two to sixteen), so one
-# decision for every count above one, timed at two rows, need not hold for a 4-row chain verify.
+# the rows (an 8B Llama's attention output: tiles win at one row by 28 %, at four by 10 %), so one decision
+# for every count above one, timed at two rows, need not hold for a 4-row chain verify.
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 # cuBLAS must beat the best tile by this factor to be chosen: timed alone it may win by a hair, but in a step
 # it also breaks the chain of kernels launched early (PDL), which costs the next kernel its head start.
@@ -176,11 +221,13 @@ CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
 
 
 class Choice:
-    """Per (weight shape, dtype, row bucket, SiLU-and-multiply or not): the fastest Tile, or None where
-    cuBLAS won. A call during CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS
-    there (the graphs' warm-up runs decide the shapes they use before capturing); so does one inside
-    `untimed()`, which serving steps run in: timing clones the weight, captures a graph and synchronises,
-    which no step should wait for (`decide_all` decides every shape at startup instead)."""
+    """Per (weight shape, dtype, row bucket, gate/up form, RMSNorm folded or not): the fastest Tile, or None
+    where cuBLAS won. Each candidate is timed as the call would run it: a call that folds a norm against cuBLAS
+    after a norm kernel, the gate/up form against cuBLAS and a SiLU-and-multiply kernel. A call during
+    CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS there (the graphs' warm-up
+    runs decide the shapes they use before capturing); so does one inside `untimed()`, which serving steps
+    run in: timing clones the weight, captures a graph and synchronises, which no step should wait for
+    (`decide_all` decides every shape at startup instead)."""
 
     def __init__(self) -> None:
         self.best: dict[tuple, Tile | None] = {}
@@ -196,24 +243,40 @@ class Choice:
             self._timing_allowed = allowed
 
     @staticmethod
-    def key(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> tuple:
+    def key(x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False) -> tuple:
         rows = next(b for b in ROW_BUCKETS if x.shape[0] <= b)
-        return tuple(weight.shape), weight.dtype, rows, silu_mul
+        return tuple(weight.shape), weight.dtype, rows, gate_up, norm
 
-    def tile(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Tile | None:
-        key = self.key(x, weight, silu_mul)
+    def tile(self, x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False
+             ) -> Tile | None:
+        key = self.key(x, weight, gate_up, norm)
         if key not in self.best:
             if torch.cuda.is_current_stream_capturing() or not self._timing_allowed:
                 return None
-            self.best[key] = self._measure(key, x, weight, silu_mul)
+            self.best[key] = self._measure(key, x, weight, gate_up, norm)
         return self.best[key]
 
-    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> Tile | None:
+    def report(self) -> list[dict]:
+        """Each timed call form: what was chosen, cuBLAS's time and the best tile's, in microseconds."""
+        return [{"weight": list(shape), "rows": rows, "gate_up": gate_up, "norm": norm,
+                 "chosen": str(self.best[shape, dtype, rows, gate_up, norm]), "cublas_us": round(t["cublas"], 2),
+                 "best_tile_us": round(min(v for n, v in t.items() if n != "cublas"), 2)}
+                for (shape, dtype, rows, gate_up, norm), t in self.timings.items()]
+
+    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, gate_up: bool, norm: bool
+                 ) -> Tile | None:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
+        gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
         tiles = {str(tile): tile for tile in (ONE_ROW_TILES if x.shape[0] == 1 else ROWS_TILES)}
-        candidates = {"cublas": lambda w: _cublas(x, w, silu_mul)}
-        candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, silu_mul)) for name, tile in tiles.items()}
-        times = {name: graph_time(fn, copies) * 1e3 for name, fn in candidates.items()}
+        candidates = {"cublas": lambda w: _cublas(x, w, gate_up, gamma)}
+        candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=gamma, eps=1e-5, gate_up=gate_up))
+                       for name, tile in tiles.items()}
+        times = {}
+        for name, fn in candidates.items():
+            try:
+                times[name] = graph_time(fn, copies) * 1e3
+            except triton.runtime.errors.OutOfResources:  # a tile too large for this form (two weight tiles)
+                continue
         self.timings[key] = times
         del copies
         best_tile = min((name for name in times if name != "cublas"), key=times.get)
@@ -223,8 +286,9 @@ class Choice:
 def decide_all(module: torch.nn.Module) -> None:
     """Decides every row bucket of the module's GEMV-eligible weights now, at startup: steps run untimed
     (`Choice.untimed`), and what their eager calls meet undecided takes cuBLAS for good (a draft model runs
-    eagerly in every drafting step). An MLP's down projection is decided with SiLU-and-multiply folded in,
-    as it is called. Shapes already decided (by the graphs' warm-ups) cost nothing."""
+    eagerly in every drafting step). Each is decided in the forms it is called in: an MLP's gate/up projection
+    with SiLU-and-multiply on its output, and the projections a norm may fold into with and without the norm.
+    Shapes already decided (by the graphs' warm-ups) cost nothing."""
     from specserve.layers.linear import TRITON_GEMV, Linear
 
     if not TRITON_GEMV:
@@ -232,11 +296,12 @@ def decide_all(module: torch.nn.Module) -> None:
     for name, linear in module.named_modules():
         if not isinstance(linear, Linear) or linear.bias is not None or linear.weight.dtype not in DTYPES:
             continue
-        silu_mul = name.endswith("mlp.down_proj")
-        width = linear.in_features * (2 if silu_mul else 1)
+        gate_up = name.endswith("mlp.gate_up_proj")
+        norms = (False, True) if gate_up or name.endswith("self_attn.qkv_proj") else (False,)
         for rows in ROW_BUCKETS:
-            x = torch.zeros(rows, width, dtype=linear.weight.dtype, device=linear.weight.device)
-            choice.tile(x, linear.weight, silu_mul)
+            x = torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
+            for norm in norms:
+                choice.tile(x, linear.weight, gate_up, norm)
 
 
 def _nbytes(t: torch.Tensor) -> int:

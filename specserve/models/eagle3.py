@@ -84,8 +84,8 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, embeds, hidden, positions, rotary, kv_cache, meta) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, positions, rotary, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = self.self_attn(x, positions, rotary, kv_cache, meta, add=hidden)
+        return self.mlp(hidden, self.post_attention_layernorm, add=hidden)
 
 
 class Eagle3Head(nn.Module):

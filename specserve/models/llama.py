@@ -66,7 +66,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu_and_mul(gate_up(norm(x)))) + add; norm and add are optional."""
-        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x, norm=norm), add=add)
+        return self.down_proj(self.gate_up_proj.forward_gated(x, norm=norm), add=add)
 
 
 class DecoderLayer(nn.Module):
