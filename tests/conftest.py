@@ -178,3 +178,20 @@ def watch_drafting_paths(engine) -> tuple[list[bool], list]:
     proposer.propose = lambda batch: general.append(any(s.num_draft_tokens for s in batch.seqs)) or propose(batch)
     program.catch_up_backlog = lambda batch: backlogs.append(batch) or catch_up_backlog(batch)
     return general, backlogs
+
+
+def run_mixed_sampling(engine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    """Requests in turn greedy, sampled with top-k 1 (greedy in effect) and sampled in full, none seeded, all
+    added at once; returns their outputs in order."""
+    from specserve.sampling_params import SamplingParams
+
+    kinds = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=1, ignore_eos=True),
+             SamplingParams(max_tokens=max_tokens, temperature=1.5, ignore_eos=True)]
+    outputs = {str(i): [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, kinds[i % 3])
+    while engine.has_work():
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+    return [outputs[str(i)] for i in range(len(prompts))]

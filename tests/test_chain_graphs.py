@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from specserve.config import SpecConfig
-from specserve.engine.chain_graphs import accept_chain
+from specserve.engine.chain_graphs import accept_chain, accept_chain_sampled
 from specserve.engine.factory import build_engine_core
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
-from conftest import count_accepted, watch_drafting_paths, write_peaked_random_head
+from conftest import count_accepted, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
 from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+from test_spec_verify import _chi2_999
 
 
 def test_accept_chain_takes_the_matching_prefix_then_the_targets_token():
@@ -28,6 +29,68 @@ def test_accept_chain_takes_the_matching_prefix_then_the_targets_token():
     # A sequence scheduled with fewer drafts (near its max_tokens) accepts at most those.
     tokens, accepted = accept_chain(drafts, best, limit=torch.tensor([1, 3, 2]))
     assert [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())] == [[5, 6], [5, 9], [1]]
+
+
+def _chain_draws(probs: torch.Tensor, drafts: list[int], rows: int, limit: int | None = None) -> list[list[int]]:
+    k = len(drafts)
+    limits = None if limit is None else torch.full((rows,), limit)
+    tokens, accepted = accept_chain_sampled(torch.tensor(drafts).expand(rows, k), probs.expand(rows, -1, -1),
+                                            limit=limits)
+    return [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())]
+
+
+def _assert_drawn_from(tokens: list[int], p: torch.Tensor) -> None:
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(p)).double()
+    expected = p.double() * len(tokens)
+    assert counts[expected == 0].sum() == 0, "a token the target gives no mass was emitted"
+    cells = expected > 5
+    chi2 = ((counts - expected)[cells] ** 2 / expected[cells]).sum().item()
+    assert chi2 < _chi2_999(int(cells.sum()) - 1), f"chi2={chi2:.1f} over {len(tokens)} draws"
+
+
+def test_sampled_chain_acceptance_keeps_the_target_distribution():
+    """The program's acceptance of a sampled row, on fixed target distributions p_0..p_3 after the root and each
+    of 3 drafts: the first emitted token is drawn from p_0, and the token after the first i drafts (when the
+    row emitted them) from p_i. With a limit of one draft (a request near its end) nothing comes after the
+    second token, which is drawn from p_1 whole."""
+    torch.manual_seed(0)
+    vocab, rows = 7, 40_000
+    probs = torch.softmax(torch.randn(4, vocab) * 1.5, dim=-1)
+    probs[2, 3] = 0.0  # a token the target never takes at depth 2 (as top-k or top-p leave it)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    drafts = probs[:3].argmax(dim=-1).tolist()  # likely drafts, so enough rows reach depth 3
+    drafts[1] = int(probs[1].argsort()[-2])  # and one less likely one
+    emitted = _chain_draws(probs, drafts, rows)
+    for depth in range(4):
+        along = [e for e in emitted if e[:depth] == drafts[:depth]]
+        assert all(len(e) > depth for e in along)
+        _assert_drawn_from([e[depth] for e in along], probs[depth])
+    assert sum(len(e) == 4 for e in emitted) > 500
+    limited = _chain_draws(probs, drafts, rows, limit=1)
+    assert max(len(e) for e in limited) == 2
+    _assert_drawn_from([e[0] for e in limited], probs[0])
+    _assert_drawn_from([e[1] for e in limited if e[0] == drafts[0]], probs[1])
+
+
+def test_sampled_requests_without_a_seed_take_the_chain_program(tmp_path, tiny_checkpoint):
+    """Greedy rows, sampled rows and sampled rows with top-k 1 in one batch, all through the program (the general
+    search never drafts): the greedy and top-k 1 rows equal HF's greedy output, the fully sampled rows differ
+    from it, and every page comes back. Seeded requests keep the general path."""
+    engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
+    general, _ = watch_drafting_paths(engine)
+    prompts = _prompts(512, seed=4)[:6]
+    outputs = run_mixed_sampling(engine, prompts)
+    reference = _hf_greedy(path, prompts, max_tokens=24)
+    assert all(len(out) == 24 for out in outputs)
+    assert [out == ref for out, ref in zip(outputs, reference)] == [True, True, False] * 2
+    assert engine.runner.spec_graphs.num_runs > 5 and general and not any(general)
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages
+    general.clear()
+    engine.add_request("seeded", prompts[0], SamplingParams(max_tokens=24, temperature=1.5, seed=7, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert any(general)
 
 
 def _generate(llm: LLM, prompts, params, chain: bool):

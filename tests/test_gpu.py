@@ -11,7 +11,7 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from conftest import watch_drafting_paths, write_peaked_random_head
+from conftest import run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -368,6 +368,36 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
     assert runs[0] == runs[1]
     if simulate is None:
         assert runs[0] == _hf_greedy(path, prompts, "cuda")
+
+
+def test_chain_program_samples_unseeded_rows_without_syncs(tiny_checkpoint, tmp_path):
+    """Unseeded sampled rows take the chain program (eagerly, beside its graphs) under overlap, and launching
+    such a step makes no host-device synchronisation (CUDA's sync debug mode turns any into an error). Greedy
+    rows and top-k 1 rows equal HF's greedy output, fully sampled rows do not, and every page comes back."""
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    config = replace(_tight_config(str(path), 200), device="cuda", spec=SpecConfig("EAGLE3", str(tmp_path), 3))
+    engine, _ = build_engine_core(config, progress=False)
+    assert engine.overlap
+    program, launch, checked = engine.runner.spec_graphs, engine.runner.launch, []
+
+    def launch_without_syncs(batch, publish=False):
+        sampled_program = program.fits(batch) and not all(s.params.greedy for s in batch.seqs)
+        torch.cuda.set_sync_debug_mode("error" if sampled_program else "default")
+        try:
+            return launch(batch, publish)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(sampled_program)
+
+    engine.runner.launch = launch_without_syncs
+    prompts = _prompts(512, seed=4)[:6]
+    outputs = run_mixed_sampling(engine, prompts)
+    reference = _hf_greedy(path, prompts, "cuda", max_tokens=24)
+    assert [out == ref for out, ref in zip(outputs, reference)] == [True, True, False] * 2
+    assert sum(checked) > 5
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages
 
 
 @pytest.mark.parametrize("topk,num_draft_tokens", [(1, None), (3, 9)])

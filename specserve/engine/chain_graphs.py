@@ -7,14 +7,18 @@ fixed shapes, so a whole step fits in one program, with one read-back at the end
 1. catch the head up on the tokens the last step accepted (at most k + 1 per sequence, padded to k + 1);
 2. draft k tokens greedily, each fed back with the head's own state;
 3. verify root + drafts with the target in one forward, storing the head's taps for all k + 1;
-4. accept on the device: the longest prefix of drafts equal to the target's argmax, plus its next token.
+4. accept on the device: the longest prefix of drafts equal to the target's argmax, plus its next token; for
+   a sampled row, each draft with the target's probability for it, then a draw from what is left
+   (`accept_chain_sampled`).
 
 Every row attends like a decode row (its own context length, its sequence's page table), so the paged decode
 kernel serves all three forwards. The head's draft nodes take their KV at their own positions in the
 mirrored pages, not in scratch slots: the next catch-up rewrites every position a later query can see.
 
-Greedy requests only (simulated acceptance too, for speed studies); anything else takes the general path.
-On a CPU the same program runs eagerly with the reference attention, which is how CI checks it.
+Greedy requests, and sampled requests without a seed (a seeded request draws from its own generator in the
+general path, so that its output does not depend on what shares its batches). Steps with sampled rows run the
+program eagerly, not from a graph: their filtering branches on the requests' settings on the host, which
+costs no sync. On a CPU the same program runs eagerly with the reference attention, which is how CI checks it.
 """
 from __future__ import annotations
 
@@ -28,9 +32,14 @@ from tqdm import tqdm
 from specserve.engine.cuda_graphs import batch_buckets, context_buckets
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
+from specserve.layers.sampler import filtered_probs
+from specserve.sampling_params import SamplingParams
 from specserve.spec.drafters import eagle3_catch_up
 from specserve.spec.simulate import draw_num_accepted
+from specserve.transfer import tensor_on
 
+
+GREEDY = SamplingParams(temperature=0.0)  # the settings of a padding row
 
 # Backlogs up to this many rows a sequence catch up as decode rows on a GPU; longer ones (the head left behind
 # for a long shut spell) as a prefill chunk, which reads each context once instead of once per row.
@@ -50,6 +59,35 @@ def accept_chain(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor 
         accepted = torch.minimum(accepted, limit)
     tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
     tokens.scatter_(1, accepted[:, None], best.gather(1, accepted[:, None]))
+    return tokens, accepted
+
+
+def accept_chain_sampled(drafts: torch.Tensor, probs: torch.Tensor, forced: torch.Tensor | None = None,
+                         limit: torch.Tensor | None = None):
+    """drafts [B, k], probs [B, k + 1, V] (the target's filtered distribution after root + each draft) ->
+    (tokens [B, k + 1], accepted drafts [B]), as `accept_chain` packs them.
+
+    spec/verify.py's rule for a chain, on the device with no host branching: draft i + 1 is accepted with
+    probability p_i(draft), and the first rejection ends the chain; the last token is drawn from p_n with the
+    rejected draft's mass removed (from p_n itself when every scheduled draft was accepted), by the
+    exponential race. Each emitted token is thereby distributed as the target's own draw."""
+    k, vocab = drafts.shape[1], probs.shape[2]
+    limit = torch.full_like(drafts[:, 0], k) if limit is None else limit
+    draft_probs = probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]
+    if forced is None:
+        accepted = (torch.rand_like(draft_probs) < draft_probs).int().cumprod(dim=1).sum(dim=1)
+    else:
+        accepted = forced
+    accepted = torch.minimum(accepted, limit)
+    rest = probs.gather(1, accepted[:, None, None].expand(-1, 1, vocab))[:, 0]
+    rejected = drafts.gather(1, accepted.clamp(max=k - 1)[:, None])
+    removed = torch.where((accepted < limit)[:, None], 0.0, rest.gather(1, rejected))
+    left = rest.scatter(1, rejected, removed)
+    # A forced rejection (simulated acceptance) of a draft that held all the mass leaves nothing: keep p_n.
+    rest = torch.where(left.sum(dim=1, keepdim=True) > 0, left, rest)
+    bonus = (rest / torch.empty_like(rest).exponential_()).argmax(dim=1)
+    tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+    tokens.scatter_(1, accepted[:, None], bonus[:, None])
     return tokens, accepted
 
 
@@ -131,17 +169,17 @@ class SpecGraphs:
             rows["last_row"][row] = row * w + max(len(ids) - 1, 0)
         return rows, tables
 
-    def _greedy_fits(self, batch: StepBatch, max_drafts: int) -> bool:
-        """Greedy decoding rows only (the program's bonus token is the target's argmax), at most `max_drafts`
-        each, at least one row drafting (else a plain step: the decode graphs take it), and every head
-        catch-up within the program's rows."""
+    def _rows_fit(self, batch: StepBatch, max_drafts: int, sampled: bool = False) -> bool:
+        """Decoding rows, greedy (and, with `sampled`, sampled without a seed), at most `max_drafts` each, at
+        least one row drafting (else a plain step: the decode graphs take it), and every head catch-up within
+        the program's rows."""
         seqs = batch.seqs
         if not seqs or len(seqs) > self.max_bs or not any(s.num_draft_tokens for s in seqs):
             return False
         for s in seqs:
             if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= max_drafts):
                 return False
-            if not s.params.greedy:
+            if not (s.params.greedy or (sampled and s.sample_seed is None)):
                 return False
             # Rows with no drafts this step (a request's last token, say) ride along: nothing of theirs is
             # accepted but the target's own token, and their head catch-up waits for a step that drafts.
@@ -222,7 +260,11 @@ class SpecGraphs:
             rows["forced"] = np.array(drawn + [0] * (bs - b), np.int64)
             forced = self.forced[:bs]
         self._upload(rows, tables, bs, n)
-        if (bs, n) in self.graphs:
+        params = None
+        if not all(s.params.greedy for s in seqs):  # eager: filtering branches on the settings (`_forward`)
+            params = [s.params for s in seqs] + [GREEDY] * (bs - b)
+            packed = self._step(bs, n, forced, params)
+        elif (bs, n) in self.graphs:
             self.graphs[(bs, n)].replay()
             packed = self.outputs[(bs, n)]
         else:
@@ -230,10 +272,12 @@ class SpecGraphs:
         self.num_runs += 1
         return packed[:b]
 
-    def _step(self, bs: int, n: int, forced: torch.Tensor | None) -> torch.Tensor:
-        """The whole program: inputs of following rows, the forwards, and what a following step reads."""
+    def _step(self, bs: int, n: int, forced: torch.Tensor | None, params: list[SamplingParams] | None = None
+              ) -> torch.Tensor:
+        """The whole program: inputs of following rows, the forwards, and what a following step reads. `params`
+        (one per row) where some row samples; None: every row is greedy."""
         self._follow(bs, n)
-        packed = _packed(*self._forward(bs, n, self._metas(bs, n), forced))
+        packed = _packed(*self._forward(bs, n, self._metas(bs, n), forced, params))
         self.last_packed[:bs] = packed
         self.last_root[:bs] = self._roots(bs)
         return packed
@@ -326,7 +370,7 @@ class ChainGraphs(SpecGraphs):
                 "forced": ((b,), 0)}
 
     def fits(self, batch: StepBatch) -> bool:
-        return self._greedy_fits(batch, self.k)
+        return self._rows_fit(batch, self.k, sampled=True)
 
     def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         k, w, ps, pad = self.k, self.width, self.page_size, self.pad_slot
@@ -386,9 +430,17 @@ class ChainGraphs(SpecGraphs):
             "verify": meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table, target_kv),
         }
 
-    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
+    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
+                 params: list[SamplingParams] | None = None):
         drafts = self._draft(bs, metas)
-        return accept_chain(drafts, self._verify(bs, drafts, metas["verify"]), forced, self.limit[:bs])
+        logits = self._verify_logits(bs, drafts, metas["verify"])
+        greedy = accept_chain(drafts, logits.argmax(dim=-1), forced, self.limit[:bs])
+        if params is None:
+            return greedy
+        probs = filtered_probs(logits.view(bs * self.width, -1), [p for p in params for _ in range(self.width)])
+        sampled = accept_chain_sampled(drafts, probs.view(bs, self.width, -1), forced, self.limit[:bs])
+        is_greedy = tensor_on([p.greedy for p in params], self.device)
+        return tuple(torch.where(is_greedy.view(-1, *[1] * (g.dim() - 1)), g, s) for g, s in zip(greedy, sampled))
 
     def _draft(self, bs: int, metas: dict) -> torch.Tensor:
         """The head catches up, then drafts k tokens greedily: [bs, k] target ids."""
@@ -408,11 +460,15 @@ class ChainGraphs(SpecGraphs):
 
     def _verify(self, bs: int, drafts: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The target's argmax after root + each draft [bs, k + 1]; stores their KV and the head's taps."""
+        return self._verify_logits(bs, drafts, meta).argmax(dim=-1)
+
+    def _verify_logits(self, bs: int, drafts: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The target's logits after root + each draft [bs, k + 1, V]; stores their KV and the head's taps."""
         verify_ids = torch.cat([self.root_ids[:bs, None], drafts], dim=1).view(-1)
         hidden, captured = self.target(verify_ids, self.verify_pos[:bs].view(-1), meta, self.kv_cache,
                                        self.drafter.capture_layers)
         self.drafter.observe(captured, meta.slot_mapping)
-        return self.target.compute_logits(hidden).argmax(dim=-1).view(bs, self.width)
+        return self.target.compute_logits(hidden).view(bs, self.width, -1)
 
 
 def decode_rows_meta(positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, page_size: int,

@@ -63,7 +63,7 @@ class TreeGraphs(SpecGraphs):
                 "real_slots": ((b, self.depth), 0), "limit": ((b,), 0), "forced": ((b,), 0)}
 
     def fits(self, batch: StepBatch) -> bool:
-        return self._greedy_fits(batch, self.num_drafts)
+        return self._rows_fit(batch, self.num_drafts)
 
     def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         ps, pad, depth = self.page_size, self.pad_slot, self.depth
@@ -112,7 +112,8 @@ class TreeGraphs(SpecGraphs):
             kv_heads, n, tail_slots=tails, tail_lens=None if tail_lens is None else tail_lens.to(torch.int32),
             rows_per_seq=per_seq if shared else 1)
 
-    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None):
+    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
+        assert params is None, "the tree program takes greedy rows only (`fits`)"
         candidates = self._search(bs, n)
         nodes = self._select(bs, *candidates)
         best = self._verify(bs, n, nodes)
