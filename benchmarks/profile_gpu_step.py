@@ -98,7 +98,7 @@ def gemv_bandwidth(model) -> list[dict]:
             tile = choice.tile(x, weight, gate_up)  # times cuBLAS and every tile in a CUDA graph
             times = choice.timings[choice.key(x, weight, gate_up)]
             best = min(v for k, v in times.items() if k != "cublas")
-            rows.append({"what": f"{name} {tuple(weight.shape)} M={m}" + (" +silu_mul" if gate_up else ""),
+            rows.append({"what": f"{name} {tuple(weight.shape)} M={m}" + (" with SiLU·mul" if gate_up else ""),
                          "cublas_us": round(times["cublas"], 2), "cublas_gb_s": gb(weight, times["cublas"]),
                          "triton_us": round(best, 2), "triton_gb_s": gb(weight, best), "chosen": str(tile)})
     return rows

@@ -11,10 +11,11 @@ import torch
 from specserve.config import SpecConfig
 from specserve.engine import factory
 from specserve.engine.factory import build_engine_core
-from specserve.engine.tree_graphs import TreeGraphs
+from specserve.engine.tree_graphs import TreeGraphs, accept_tree_sampled
 from specserve.layers.attention import AttentionMetadata, attend_rows
 
-from conftest import count_accepted, write_peaked_random_head
+from conftest import count_accepted, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
+from test_chain_graphs import _assert_drawn_from
 from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
 
 TREE = dict(num_steps=4, eagle_topk=3, num_draft_tokens=9)
@@ -88,6 +89,54 @@ def test_tree_acceptance_follows_the_targets_choices():
     tokens, accepted, _ = g._accept(5, nodes, best, forced=torch.tensor([1, 3, 0, 3, 9]))
     out = [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())]
     assert out == [[10, 20], [10, 20, 30, 0], [5], [10, 20, 30], [10, 20, 30, 0]]
+
+
+def test_sampled_tree_acceptance_keeps_the_target_distribution():
+    """The program's walk for sampled rows on the hand-made tree (root -> 10 -> 20 -> 30, root -> 11 -> 22) with
+    fixed target distributions after each node: the first token is drawn from the root's, and the token after
+    each drafted prefix (when a row emitted it) from that node's. With two drafts scheduled (the two best
+    nodes, 10 and 20, in the tree) nothing comes after the third token."""
+    torch.manual_seed(0)
+    rows, vocab = 40_000, 32
+    _, nodes = _hand_made_tree(rows, [5] * rows)
+    probs = torch.softmax(torch.randn(6, vocab), dim=-1)
+    for node, child_tokens in ((0, (10, 11)), (1, (20,)), (2, (22,)), (3, (30,))):
+        probs[node, list(child_tokens)] += 0.3  # the drafts are likely, so enough rows go deep
+    probs[4, 5] = 0.0  # a token the target never takes after node 4
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    prefixes = {(): 0, (10,): 1, (11,): 2, (10, 20): 3, (11, 22): 4, (10, 20, 30): 5}
+
+    def emitted(nodes):
+        leaf, after = accept_tree_sampled(nodes, probs.expand(rows, -1, -1), depth=3, max_children=2)
+        path_tokens = nodes["tokens"].gather(1, nodes["path"].gather(1, leaf[:, None, None].expand(-1, 1, 3))[:, 0])
+        depth = nodes["depth"].gather(1, leaf[:, None])[:, 0]
+        return [t[:d] + [a] for t, d, a in zip(path_tokens.tolist(), depth.tolist(), after.tolist())]
+
+    out = emitted(nodes)
+    for prefix, node in prefixes.items():
+        along = [e for e in out if tuple(e[: len(prefix)]) == prefix]
+        assert all(len(e) > len(prefix) for e in along)
+        _assert_drawn_from([e[len(prefix)] for e in along], probs[node])
+    _, capped = _hand_made_tree(rows, [2] * rows)
+    out = emitted(capped)
+    assert max(len(e) for e in out) == 3
+    _assert_drawn_from([e[0] for e in out], probs[0])
+    _assert_drawn_from([e[1] for e in out if e[0] == 10], probs[1])
+
+
+def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_checkpoint, monkeypatch):
+    """Greedy, top-k 1 and fully sampled rows in one batch, all through the program (the general search never
+    drafts): the greedy and top-k 1 rows equal HF's greedy output, the fully sampled rows do not, and every
+    page comes back."""
+    engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
+    general, _ = watch_drafting_paths(engine)
+    prompts = _prompts(512, seed=4)[:6]
+    outputs = run_mixed_sampling(engine, prompts)
+    reference = _hf_greedy(path, prompts, max_tokens=24)
+    assert [out == ref for out, ref in zip(outputs, reference)] == [True, True, False] * 2
+    assert engine.runner.spec_graphs.num_runs > 5 and general and not any(general)
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages
 
 
 def test_tree_program_simulates_acceptance_like_the_search(tmp_path, tiny_checkpoint, monkeypatch):

@@ -85,17 +85,21 @@ def accept_chain_sampled(drafts: torch.Tensor, probs: torch.Tensor, forced: torc
     left = rest.scatter(1, rejected, removed)
     # A forced rejection (simulated acceptance) of a draft that held all the mass leaves nothing: keep p_n.
     rest = torch.where(left.sum(dim=1, keepdim=True) > 0, left, rest)
-    bonus = (rest / torch.empty_like(rest).exponential_()).argmax(dim=1)
     tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
-    tokens.scatter_(1, accepted[:, None], bonus[:, None])
+    tokens.scatter_(1, accepted[:, None], race(rest)[:, None])
     return tokens, accepted
+
+
+def race(weights: torch.Tensor) -> torch.Tensor:
+    """One draw per row [B] from weights [B, V] (any scale): the exponential race, argmax of w / E, E ~ Exp(1)."""
+    return (weights / torch.empty_like(weights).exponential_()).argmax(dim=1)
 
 
 class SpecGraphs:
     """What chain and tree programs share: per-step inputs in one device buffer (one upload), graphs captured
-    per (batch bucket, context bucket), a launch that replays (or, on a CPU, runs) the program and leaves each
-    sequence's new tokens packed for one read-back, and rows that follow the last launch (`_follow`).
-    Subclasses define the buffers, the rows and the program."""
+    per (batch bucket, context bucket), a launch that replays (or, on a CPU or with sampled rows, runs) the
+    program and leaves each sequence's new tokens packed for one read-back, and rows that follow the last
+    launch (`_follow`). Subclasses define the buffers, the rows and the program."""
 
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int, pad_slot: int,
                  max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng) -> None:
@@ -169,17 +173,16 @@ class SpecGraphs:
             rows["last_row"][row] = row * w + max(len(ids) - 1, 0)
         return rows, tables
 
-    def _rows_fit(self, batch: StepBatch, max_drafts: int, sampled: bool = False) -> bool:
-        """Decoding rows, greedy (and, with `sampled`, sampled without a seed), at most `max_drafts` each, at
-        least one row drafting (else a plain step: the decode graphs take it), and every head catch-up within
-        the program's rows."""
+    def _rows_fit(self, batch: StepBatch, max_drafts: int) -> bool:
+        """Decoding rows, greedy or sampled without a seed, at most `max_drafts` each, at least one row drafting
+        (else a plain step: the decode graphs take it), and every head catch-up within the program's rows."""
         seqs = batch.seqs
         if not seqs or len(seqs) > self.max_bs or not any(s.num_draft_tokens for s in seqs):
             return False
         for s in seqs:
             if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= max_drafts):
                 return False
-            if not (s.params.greedy or (sampled and s.sample_seed is None)):
+            if not (s.params.greedy or s.params.seed is None):
                 return False
             # Rows with no drafts this step (a request's last token, say) ride along: nothing of theirs is
             # accepted but the target's own token, and their head catch-up waits for a step that drafts.
@@ -370,7 +373,7 @@ class ChainGraphs(SpecGraphs):
                 "forced": ((b,), 0)}
 
     def fits(self, batch: StepBatch) -> bool:
-        return self._rows_fit(batch, self.k, sampled=True)
+        return self._rows_fit(batch, self.k)
 
     def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         k, w, ps, pad = self.k, self.width, self.page_size, self.pad_slot

@@ -11,7 +11,8 @@ step is one program with one read-back:
 3. keep the N best candidates (parents come first, so every kept node's ancestors are kept);
 4. verify root + N nodes with the target in one forward, each node attending to the context and its path;
 5. accept on the device: the deepest node whose path matches the target's argmax at every step, then the
-   target's own token after it;
+   target's own token after it; for a sampled row, spec/verify.py's walk down the tree, drawn on the device
+   (`accept_tree_sampled`);
 6. move the accepted nodes' KV and taps from their scratch slots to the positions they now hold.
 
 Tree nodes cannot take the slots of their positions (siblings share a position), so the target writes them
@@ -19,18 +20,61 @@ to a scratch region after its pages, and the head writes its fed nodes to the sc
 mirrored pages. The paged decode kernel reaches them as each row's "tail": a short list of slots read after
 the row's context. The root takes its own slot, so every node's context is the sequence up to the root.
 
-Greedy requests only (simulated acceptance too); anything else takes the general path. On a CPU the same
-program runs eagerly, with attention in PyTorch, which is how CI checks it.
+Greedy requests and sampled requests without a seed (simulated acceptance too), as the chain program takes
+them (engine/chain_graphs.py); seeded ones take the general path. On a CPU the same program runs eagerly,
+with attention in PyTorch, which is how CI checks it.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from specserve.engine.chain_graphs import SpecGraphs, page_slots, put_where, table_slots
+from specserve.engine.chain_graphs import SpecGraphs, page_slots, put_where, race, table_slots
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
+from specserve.layers.sampler import filtered_probs
 from specserve.spec.proposer import search_depth
+from specserve.transfer import tensor_on
+
+
+def accept_tree_sampled(nodes: dict, probs: torch.Tensor, depth: int, max_children: int):
+    """Nodes as `TreeGraphs._select` makes them (tokens, parent, in_tree: [B, N + 1], node 0 the root) and
+    probs [B, N + 1, V], the target's filtered distribution after each node -> (the accepted node [B], the
+    token after it [B]).
+
+    spec/verify.py's walk, with no host branching: at node c, with r = p_c, its children in node order are
+    tried in turn, child x accepted with probability r(x) / sum(r), else r(x) = 0; an accepted child becomes c.
+    Where none is accepted (or c is a leaf) the last token is drawn from r by the exponential race. Fixed loops:
+    `depth` levels, `max_children` children a node."""
+    tokens, parent, in_tree = nodes["tokens"], nodes["parent"], nodes["in_tree"]
+    bs, width, _ = probs.shape
+    is_child_slot = torch.arange(width, device=probs.device)[None, :] > 0
+    node = torch.zeros(bs, dtype=torch.long, device=probs.device)
+    done = torch.zeros(bs, dtype=torch.bool, device=probs.device)
+    rest = probs[:, 0]
+    for _ in range(depth):
+        children = (parent == node[:, None]) & in_tree & is_child_slot
+        sibling_rank = children.cumsum(dim=1) - 1
+        moved = torch.zeros_like(done)
+        for m in range(max_children):
+            is_m = children & (sibling_rank == m)
+            trying = is_m.any(dim=1) & ~done & ~moved
+            child = is_m.int().argmax(dim=1)
+            token = tokens.gather(1, child[:, None])
+            mass = rest.gather(1, token)[:, 0]
+            take = trying & (torch.rand(bs, device=probs.device) * rest.sum(dim=1) < mass)
+            rest = rest.scatter(1, token, torch.where((trying & ~take)[:, None], 0.0, mass[:, None]))
+            node = torch.where(take, child, node)
+            moved |= take
+        done |= ~moved
+        rest = torch.where(moved[:, None], _at(probs, node), rest)
+    # Rounding can leave no mass after a rejection only where the rejected children held it all: keep p_c.
+    return node, race(torch.where(rest.sum(dim=1, keepdim=True) > 0, rest, _at(probs, node)))
+
+
+def _at(probs: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """probs [B, N + 1, V] at each row's node [B] -> [B, V]."""
+    return probs.gather(1, node[:, None, None].expand(-1, 1, probs.shape[2]))[:, 0]
 
 
 class TreeGraphs(SpecGraphs):
@@ -113,11 +157,23 @@ class TreeGraphs(SpecGraphs):
             rows_per_seq=per_seq if shared else 1)
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
-        assert params is None, "the tree program takes greedy rows only (`fits`)"
         candidates = self._search(bs, n)
         nodes = self._select(bs, *candidates)
-        best = self._verify(bs, n, nodes)
-        tokens, accepted, path = self._accept(bs, nodes, best, forced)
+        logits = self._verify_logits(bs, n, nodes)
+        best = logits.argmax(dim=-1)
+        leaf = self._leaf(bs, nodes, best, forced)
+        after = best.gather(1, leaf[:, None])[:, 0]
+        if params is not None:
+            width = self.num_drafts + 1
+            probs = filtered_probs(logits.view(bs * width, -1), [p for p in params for _ in range(width)])
+            probs = probs.view(bs, width, -1)
+            if forced is None:
+                drawn_leaf, drawn = accept_tree_sampled(nodes, probs, self.depth, self.topk)
+            else:  # simulated: the forced path, then a draw from the target after it
+                drawn_leaf, drawn = leaf, race(_at(probs, leaf))
+            greedy = tensor_on([p.greedy for p in params], self.device)
+            leaf, after = torch.where(greedy, leaf, drawn_leaf), torch.where(greedy, after, drawn)
+        tokens, accepted, path = self._emit(nodes, leaf, after)
         self._move_accepted(bs, nodes, path, accepted)
         return tokens, accepted
 
@@ -195,6 +251,10 @@ class TreeGraphs(SpecGraphs):
 
     def _verify(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
         """The target's argmax after every node [bs, N + 1]; stores the nodes' KV and taps in their slots."""
+        return self._verify_logits(bs, n, nodes).argmax(dim=-1)
+
+    def _verify_logits(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
+        """The target's logits after every node [bs, N + 1, V]; stores the nodes' KV and taps in their slots."""
         width = self.num_drafts + 1
         tails = nodes["slots"].gather(1, nodes["path"].view(bs, -1)).view(bs * width, self.depth)
         root_pos = self.root_pos[:bs]
@@ -204,10 +264,15 @@ class TreeGraphs(SpecGraphs):
         hidden, captured = self.target(nodes["tokens"].reshape(-1), positions, meta, self.kv_cache,
                                        self.drafter.capture_layers)
         self.drafter.observe(captured, meta.slot_mapping)
-        return self.target.compute_logits(hidden).argmax(dim=-1).view(bs, width)
+        return self.target.compute_logits(hidden).view(bs, width, -1)
 
     def _accept(self, bs: int, nodes: dict, best: torch.Tensor, forced: torch.Tensor | None):
-        """(tokens [bs, depth + 1], accepted drafts [bs], the accepted node's path [bs, depth])."""
+        """(tokens [bs, depth + 1], accepted drafts [bs], the accepted node's path [bs, depth]) for greedy rows."""
+        leaf = self._leaf(bs, nodes, best, forced)
+        return self._emit(nodes, leaf, best.gather(1, leaf[:, None])[:, 0])
+
+    def _leaf(self, bs: int, nodes: dict, best: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+        """The accepted node [bs] of greedy rows: the deepest that matches the target's argmax all the way."""
         parent, depth, in_tree = nodes["parent"], nodes["depth"], nodes["in_tree"]
         if forced is None:
             # A node is reachable when its token is the target's choice after its parent, all the way up.
@@ -227,10 +292,15 @@ class TreeGraphs(SpecGraphs):
             for d in range(self.depth):
                 child = first_child.gather(1, leaf[:, None]).squeeze(1)
                 leaf = torch.where((child < width) & (d < forced), child, leaf)
-        accepted = depth.gather(1, leaf[:, None]).squeeze(1)
+        return leaf
+
+    def _emit(self, nodes: dict, leaf: torch.Tensor, after: torch.Tensor):
+        """(tokens [bs, depth + 1], accepted drafts [bs], the accepted node's path [bs, depth]): the tokens of
+        the path to `leaf`, then `after`."""
+        accepted = nodes["depth"].gather(1, leaf[:, None]).squeeze(1)
         path = nodes["path"].gather(1, leaf[:, None, None].expand(-1, 1, self.depth)).squeeze(1)
         tokens = torch.cat([nodes["tokens"].gather(1, path), torch.zeros_like(path[:, :1])], dim=1)
-        tokens.scatter_(1, accepted[:, None], best.gather(1, leaf[:, None]))
+        tokens.scatter_(1, accepted[:, None], after[:, None])
         return tokens, accepted, path
 
     def _move_accepted(self, bs: int, nodes: dict, path: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -35,6 +35,9 @@ LARGE_M = 256
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     packed_kernel = None  # the compiled CPU GEMM module when it packed the weight, else oneDNN
+    # How the model calls it, so the GEMV choice can be made for those forms at startup (triton_gemv.decide_all):
+    gated = False  # through `forward_gated`: an MLP's [gate; up] projection
+    takes_norm = False  # with an RMSNorm to fold in, where the layer folds
 
     def forward(self, x: torch.Tensor, norm=None, add: torch.Tensor | None = None) -> torch.Tensor:
         """self(norm(x)) + add, with `norm` an RMSNorm and `add` the residual stream, each optional. Where the
@@ -84,6 +87,9 @@ class Linear(nn.Linear):
             # overflow.
             x, norm = norm(x), None
         tile = self.gemv_tile(x, gate_up, norm is not None)
+        if tile is None and norm is not None:  # cuBLAS won against the fold: the norm apart, then the best form
+            x, norm = norm(x), None
+            tile = self.gemv_tile(x, gate_up)
         if tile is not None:
             from specserve.layers import triton_gemv
 

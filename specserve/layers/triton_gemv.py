@@ -4,7 +4,7 @@ A decode step at batch 1 reads every weight once and does almost no math, so its
 matmul comes to the GPU's memory bandwidth. cuBLAS gets there for wide matrices, but on an H200 it left a
 third of the bandwidth unused on the narrower ones of an 8B Llama (attention output: 4096 x 4096, 2.6 of
 4.3 TB/s timed in a CUDA graph, split over K with a separate reduction kernel). Here each program owns BLOCK_N output
-features and streams their rows over the whole K, so there is nothing to reduce afterwards. The MLP's down
+features and streams their rows over the whole K, so there is nothing to reduce afterwards. The MLP's
 gate/up projection can apply SiLU-and-multiply to its outputs before it stores them (each program takes the
 same features of both halves), which saves that kernel's launch and its trip through memory.
 
@@ -260,7 +260,7 @@ class Choice:
         """Each timed call form: what was chosen, cuBLAS's time and the best tile's, in microseconds."""
         return [{"weight": list(shape), "rows": rows, "gate_up": gate_up, "norm": norm,
                  "chosen": str(self.best[shape, dtype, rows, gate_up, norm]), "cublas_us": round(t["cublas"], 2),
-                 "best_tile_us": round(min(v for n, v in t.items() if n != "cublas"), 2)}
+                 "best_tile_us": round(min((v for n, v in t.items() if n != "cublas"), default=float("nan")), 2)}
                 for (shape, dtype, rows, gate_up, norm), t in self.timings.items()]
 
     def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, gate_up: bool, norm: bool
@@ -279,29 +279,32 @@ class Choice:
                 continue
         self.timings[key] = times
         del copies
-        best_tile = min((name for name in times if name != "cublas"), key=times.get)
+        timed = [name for name in times if name != "cublas"]
+        if not timed:
+            return None
+        best_tile = min(timed, key=times.get)
         return None if times["cublas"] * CUBLAS_MARGIN < times[best_tile] else tiles[best_tile]  # None: cuBLAS
 
 
 def decide_all(module: torch.nn.Module) -> None:
     """Decides every row bucket of the module's GEMV-eligible weights now, at startup: steps run untimed
     (`Choice.untimed`), and what their eager calls meet undecided takes cuBLAS for good (a draft model runs
-    eagerly in every drafting step). Each is decided in the forms it is called in: an MLP's gate/up projection
-    with SiLU-and-multiply on its output, and the projections a norm may fold into with and without the norm.
-    Shapes already decided (by the graphs' warm-ups) cost nothing."""
-    from specserve.layers.linear import TRITON_GEMV, Linear
+    eagerly in every drafting step). Each is decided in the forms it is called in (`Linear.gated`,
+    `Linear.takes_norm`): an MLP's gate/up projection with SiLU-and-multiply on its output, and in bf16 the
+    projections a norm may fold into with and without the norm. Shapes already decided (by the graphs' warm-ups)
+    cost nothing."""
+    from specserve.layers.linear import FOLD_NORMS, TRITON_GEMV, Linear
 
     if not TRITON_GEMV:
         return
-    for name, linear in module.named_modules():
+    for linear in module.modules():
         if not isinstance(linear, Linear) or linear.bias is not None or linear.weight.dtype not in DTYPES:
             continue
-        gate_up = name.endswith("mlp.gate_up_proj")
-        norms = (False, True) if gate_up or name.endswith("self_attn.qkv_proj") else (False,)
+        folds = linear.takes_norm and FOLD_NORMS and linear.weight.dtype == torch.bfloat16
         for rows in ROW_BUCKETS:
             x = torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
-            for norm in norms:
-                choice.tile(x, linear.weight, gate_up, norm)
+            for norm in (False, True) if folds else (False,):
+                choice.tile(x, linear.weight, linear.gated, norm)
 
 
 def _nbytes(t: torch.Tensor) -> int:
