@@ -2,12 +2,16 @@
 in one process: the embedded SmolLM2 with its bundled head, waves of C MT-Bench first turns (greedy,
 `ignore_eos`, 64 tokens each).
 
-The three engines take turns within each wave size, and the order flips every round, so a slow spell of a
+With `--temperature T --general-search`, requests sample (no seed) and a fourth engine drafts every step
+through the general search instead of the chain program: the program's sampled acceptance against the
+search's, same run.
+
+The engines take turns within each wave size, and the order flips every round, so a slow spell of a
 shared machine lands on all of them alike (sequential runs of `specserve bench` on the 2-core CPU drifted by
 up to 25 % within minutes). The adaptive engine keeps what it measured from one wave to the next, as a
 server does. Writes JSON and a PNG to benchmarks/results.
 
-    python benchmarks/adaptive_cpu.py [--levels 1 8 32 64] [--rounds 2]
+    python benchmarks/adaptive_cpu.py [--levels 1 8 32 64] [--rounds 2] [--temperature 0.7 --general-search]
 """
 from __future__ import annotations
 
@@ -49,6 +53,10 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--general-search", action="store_true",
+                        help="also a chain drafting every step through the general search, not the program")
+    parser.add_argument("--no-adaptive", action="store_true", help="leave out the adaptive engine")
     parser.add_argument("--no-every-step", action="store_true",
                         help="leave out the engine that drafts every step (the slowest, for a shorter run)")
     parser.add_argument("--out", default=str(RESULTS / "adaptive_cpu_interleaved.json"))
@@ -59,10 +67,14 @@ def main() -> None:
     engines = {"no speculation": build(SpecConfig())}
     if not args.no_every_step:
         engines[f"chain {steps}, every step"] = build(SpecConfig("EAGLE3", head, steps))
-    engines[f"chain {steps}, adaptive"] = build(SpecConfig("EAGLE3", head, steps, adaptive=True))
+    if args.general_search:
+        engines[f"chain {steps}, every step, general search"] = build(SpecConfig("EAGLE3", head, steps))
+        engines[f"chain {steps}, every step, general search"].engine.runner.spec_graphs = None
+    if not args.no_adaptive:
+        engines[f"chain {steps}, adaptive"] = build(SpecConfig("EAGLE3", head, steps, adaptive=True))
     first = next(iter(engines.values()))
     prompts = [first.chat_prompt(p.messages) for p in mt_bench_first_turns()]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
     for llm in engines.values():  # warm-up: kernels built on first use, costs first measured
         run_waves(llm, prompts[:2], 2, params)
     results = []
@@ -83,6 +95,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     record = {"benchmark": "adaptive_cpu", "dataset": "mt-bench first turns", "max_tokens": args.max_tokens,
+              "temperature": args.temperature,
               "rounds": args.rounds, "hardware": hardware_info(), "results": results}
     Path(args.out).write_text(json.dumps(record, indent=2))
     plot(results, Path(args.out).with_suffix(".png"))
