@@ -619,6 +619,7 @@ def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
     undecided when a step runs takes cuBLAS (timing it clones the weight, captures a graph and synchronises
     mid-step). Outside steps it is timed as before."""
     from specserve.layers import triton_gemv
+    from specserve.layers import linear as linear_module
     from specserve.layers.linear import Linear
 
     path = tiny_checkpoint("llama", True)
@@ -630,7 +631,7 @@ def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
         if isinstance(linear, Linear):
             x = torch.zeros(16, linear.in_features, device="cuda", dtype=torch.bfloat16)
             for rows in triton_gemv.ROW_BUCKETS:
-                for norm in (False, True) if linear.takes_norm else (False,):
+                for norm in (False, True) if linear.takes_norm and linear_module.FOLD_NORMS else (False,):
                     key = triton_gemv.choice.key(x[:rows], linear.weight, linear.gated, norm)
                     assert key in triton_gemv.choice.best, name
     timed = []

@@ -107,7 +107,7 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution():
     prefixes = {(): 0, (10,): 1, (11,): 2, (10, 20): 3, (11, 22): 4, (10, 20, 30): 5}
 
     def emitted(nodes):
-        leaf, after = accept_tree_sampled(nodes, probs.expand(rows, -1, -1), depth=3, max_children=2)
+        leaf, after = accept_tree_sampled(nodes, lambda node: probs[node], depth=3, max_children=2)
         path_tokens = nodes["tokens"].gather(1, nodes["path"].gather(1, leaf[:, None, None].expand(-1, 1, 3))[:, 0])
         depth = nodes["depth"].gather(1, leaf[:, None])[:, 0]
         return [t[:d] + [a] for t, d, a in zip(path_tokens.tolist(), depth.tolist(), after.tolist())]
@@ -120,6 +120,7 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution():
     _, capped = _hand_made_tree(rows, [2] * rows)
     out = emitted(capped)
     assert max(len(e) for e in out) == 3
+    assert all(len(e) == 1 for e in out if e[0] == 11)  # node 2 (11) is out of the tree: a draw, not a draft
     _assert_drawn_from([e[0] for e in out], probs[0])
     _assert_drawn_from([e[1] for e in out if e[0] == 10], probs[1])
 

@@ -21,8 +21,9 @@ mirrored pages. The paged decode kernel reaches them as each row's "tail": a sho
 the row's context. The root takes its own slot, so every node's context is the sequence up to the root.
 
 Greedy requests and sampled requests without a seed (simulated acceptance too), as the chain program takes
-them (engine/chain_graphs.py); seeded ones take the general path. On a CPU the same program runs eagerly,
-with attention in PyTorch, which is how CI checks it.
+them (engine/chain_graphs.py; steps with sampled rows run the program eagerly, not from a graph); seeded ones
+take the general path. On a CPU the same program runs eagerly, with attention in PyTorch, which is how CI
+checks it.
 """
 from __future__ import annotations
 
@@ -37,21 +38,23 @@ from specserve.spec.proposer import search_depth
 from specserve.transfer import tensor_on
 
 
-def accept_tree_sampled(nodes: dict, probs: torch.Tensor, depth: int, max_children: int):
+def accept_tree_sampled(nodes: dict, dist, depth: int, max_children: int):
     """Nodes as `TreeGraphs._select` makes them (tokens, parent, in_tree: [B, N + 1], node 0 the root) and
-    probs [B, N + 1, V], the target's filtered distribution after each node -> (the accepted node [B], the
-    token after it [B]).
+    `dist`, which maps a node per row [B] to the target's filtered distribution after it [B, V] -> (the
+    accepted node [B], the token after it [B]).
 
     spec/verify.py's walk, with no host branching: at node c, with r = p_c, its children in node order are
     tried in turn, child x accepted with probability r(x) / sum(r), else r(x) = 0; an accepted child becomes c.
     Where none is accepted (or c is a leaf) the last token is drawn from r by the exponential race. Fixed loops:
-    `depth` levels, `max_children` children a node."""
+    `depth` levels, `max_children` children a node. Distributions are computed for the nodes the walk reaches
+    only (one [B, V] a level), not for every node of the tree."""
     tokens, parent, in_tree = nodes["tokens"], nodes["parent"], nodes["in_tree"]
-    bs, width, _ = probs.shape
-    is_child_slot = torch.arange(width, device=probs.device)[None, :] > 0
-    node = torch.zeros(bs, dtype=torch.long, device=probs.device)
-    done = torch.zeros(bs, dtype=torch.bool, device=probs.device)
-    rest = probs[:, 0]
+    bs, width = tokens.shape
+    device = tokens.device
+    is_child_slot = torch.arange(width, device=device)[None, :] > 0
+    node = torch.zeros(bs, dtype=torch.long, device=device)
+    done = torch.zeros(bs, dtype=torch.bool, device=device)
+    here = rest = dist(node)  # p at each row's node, and what is left of it
     for _ in range(depth):
         children = (parent == node[:, None]) & in_tree & is_child_slot
         sibling_rank = children.cumsum(dim=1) - 1
@@ -62,19 +65,21 @@ def accept_tree_sampled(nodes: dict, probs: torch.Tensor, depth: int, max_childr
             child = is_m.int().argmax(dim=1)
             token = tokens.gather(1, child[:, None])
             mass = rest.gather(1, token)[:, 0]
-            take = trying & (torch.rand(bs, device=probs.device) * rest.sum(dim=1) < mass)
+            take = trying & (torch.rand(bs, device=device) * rest.sum(dim=1) < mass)
             rest = rest.scatter(1, token, torch.where((trying & ~take)[:, None], 0.0, mass[:, None]))
             node = torch.where(take, child, node)
             moved |= take
         done |= ~moved
-        rest = torch.where(moved[:, None], _at(probs, node), rest)
+        reached = dist(node)
+        here = torch.where(moved[:, None], reached, here)
+        rest = torch.where(moved[:, None], reached, rest)
     # Rounding can leave no mass after a rejection only where the rejected children held it all: keep p_c.
-    return node, race(torch.where(rest.sum(dim=1, keepdim=True) > 0, rest, _at(probs, node)))
+    return node, race(torch.where(rest.sum(dim=1, keepdim=True) > 0, rest, here))
 
 
-def _at(probs: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
-    """probs [B, N + 1, V] at each row's node [B] -> [B, V]."""
-    return probs.gather(1, node[:, None, None].expand(-1, 1, probs.shape[2]))[:, 0]
+def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """values [B, N + 1, V] at each row's node [B] -> [B, V]."""
+    return values.gather(1, node[:, None, None].expand(-1, 1, values.shape[2]))[:, 0]
 
 
 class TreeGraphs(SpecGraphs):
@@ -164,13 +169,13 @@ class TreeGraphs(SpecGraphs):
         leaf = self._leaf(bs, nodes, best, forced)
         after = best.gather(1, leaf[:, None])[:, 0]
         if params is not None:
-            width = self.num_drafts + 1
-            probs = filtered_probs(logits.view(bs * width, -1), [p for p in params for _ in range(width)])
-            probs = probs.view(bs, width, -1)
+            def dist(node: torch.Tensor) -> torch.Tensor:
+                return filtered_probs(_at(logits, node), params)
+
             if forced is None:
-                drawn_leaf, drawn = accept_tree_sampled(nodes, probs, self.depth, self.topk)
+                drawn_leaf, drawn = accept_tree_sampled(nodes, dist, self.depth, self.topk)
             else:  # simulated: the forced path, then a draw from the target after it
-                drawn_leaf, drawn = leaf, race(_at(probs, leaf))
+                drawn_leaf, drawn = leaf, race(dist(leaf))
             greedy = tensor_on([p.greedy for p in params], self.device)
             leaf, after = torch.where(greedy, leaf, drawn_leaf), torch.where(greedy, after, drawn)
         tokens, accepted, path = self._emit(nodes, leaf, after)
