@@ -277,7 +277,8 @@ class TreeGraphs(SpecGraphs):
         return self._emit(nodes, leaf, best.gather(1, leaf[:, None])[:, 0])
 
     def _leaf(self, bs: int, nodes: dict, best: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
-        """The accepted node [bs] of greedy rows: the deepest that matches the target's argmax all the way."""
+        """The accepted node [bs] of greedy rows: the deepest that matches the target's argmax all the way (with
+        `forced`, simulated acceptance: each node's first child, `forced` levels down)."""
         parent, depth, in_tree = nodes["parent"], nodes["depth"], nodes["in_tree"]
         if forced is None:
             # A node is reachable when its token is the target's choice after its parent, all the way up.
