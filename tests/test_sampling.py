@@ -1,13 +1,13 @@
 """Sampling keeps the distribution it claims to draw from, and seeds make draws repeatable."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from specserve.layers.sampler import filtered_probs, sample
 from specserve.sampling_params import SamplingParams
+
+from test_spec_verify import _chi2_999
 
 
 def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -60,12 +60,6 @@ def test_draws_follow_the_target_distribution(params):
     chi2 = (((observed - expected)[support]) ** 2 / expected[support]).sum().item()
     dof = int(support.sum()) - 1
     assert chi2 < _chi2_999(dof), f"chi2={chi2:.1f} with {dof} dof"
-
-
-def _chi2_999(dof: int) -> float:
-    # Wilson-Hilferty approximation of the 0.999 quantile of chi-square with `dof` degrees of freedom.
-    z = 3.090
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():

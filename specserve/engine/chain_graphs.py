@@ -32,7 +32,7 @@ from tqdm import tqdm
 from specserve.engine.cuda_graphs import batch_buckets, context_buckets
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.sampler import filtered_probs
+from specserve.layers.sampler import filtered_probs, race
 from specserve.sampling_params import SamplingParams
 from specserve.spec.drafters import eagle3_catch_up
 from specserve.spec.simulate import draw_num_accepted
@@ -88,11 +88,6 @@ def accept_chain_sampled(drafts: torch.Tensor, probs: torch.Tensor, forced: torc
     tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
     tokens.scatter_(1, accepted[:, None], race(rest)[:, None])
     return tokens, accepted
-
-
-def race(weights: torch.Tensor) -> torch.Tensor:
-    """One draw per row [B] from weights [B, V] (any scale): the exponential race, argmax of w / E, E ~ Exp(1)."""
-    return (weights / torch.empty_like(weights).exponential_()).argmax(dim=1)
 
 
 class SpecGraphs:

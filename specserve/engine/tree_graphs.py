@@ -30,10 +30,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.engine.chain_graphs import SpecGraphs, page_slots, put_where, race, table_slots
+from specserve.engine.chain_graphs import SpecGraphs, page_slots, put_where, table_slots
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.sampler import filtered_probs
+from specserve.layers.sampler import filtered_probs, race
 from specserve.spec.proposer import search_depth
 from specserve.transfer import tensor_on
 

@@ -82,13 +82,13 @@ class Linear(nn.Linear):
         return triton_gemv.choice.tile(rows, self.weight, gate_up, norm) if x.dtype in triton_gemv.DTYPES else None
 
     def _forward_gpu(self, x: torch.Tensor, gate_up: bool = False, norm=None, add=None) -> torch.Tensor:
-        if norm is not None and (x.dtype != torch.bfloat16 or not FOLD_NORMS):
-            # Folds are bf16 only: they scale x by the norm's weight before the reciprocal RMS, where fp16 could
-            # overflow.
-            x, norm = norm(x), None
-        tile = self.gemv_tile(x, gate_up, norm is not None)
-        if tile is None and norm is not None:  # cuBLAS won against the fold: the norm apart, then the best form
-            x, norm = norm(x), None
+        # Folds are bf16 only: they scale x by the norm's weight before the reciprocal RMS, where fp16 could
+        # overflow.
+        folds = norm is not None and x.dtype == torch.bfloat16 and FOLD_NORMS
+        tile = self.gemv_tile(x, gate_up, norm=True) if folds else None
+        if tile is None:  # no fold (or cuBLAS won against it): the norm apart, then the best form
+            if norm is not None:
+                x, norm = norm(x), None
             tile = self.gemv_tile(x, gate_up)
         if tile is not None:
             from specserve.layers import triton_gemv
@@ -99,8 +99,6 @@ class Linear(nn.Linear):
             out = triton_gemv.gemv(rows, self.weight, tile, None if norm is None else norm.weight,
                                    0.0 if norm is None else norm.eps, residual, gate_up)
             return out.view(*x.shape[:-1], out_features)
-        if norm is not None:
-            x = norm(x)
         out = F.linear(x, self.weight, self.bias)
         if gate_up:
             out = pointwise.silu_and_mul(out)

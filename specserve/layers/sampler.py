@@ -18,10 +18,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     if all(p.greedy for p in params):
         return greedy
     probs = filtered_probs(logits, params)
-    noise = _exponential_noise(probs, seeds)
-    drawn = (probs / noise).argmax(dim=-1)
+    drawn = race(probs, _exponential_noise(probs, seeds))
     is_greedy = tensor_on([p.greedy for p in params], logits.device)
     return torch.where(is_greedy, greedy, drawn)
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """One draw per row [N] from weights [N, V] (any scale): the exponential race, argmax of w / E with
+    E ~ Exp(1), fresh unless `noise` is given."""
+    noise = torch.empty_like(weights).exponential_() if noise is None else noise
+    return (weights / noise).argmax(dim=-1)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
