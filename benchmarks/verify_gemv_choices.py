@@ -1,5 +1,6 @@
 """A batch-1 chain verify step (Llama-3.1-8B shape, random bf16 weights, 4 rows: root + 3 drafts) under other
-GEMV choices for its 4-row shapes, and with the next kernel launched at the start or the end of each GEMV.
+GEMV choices for its 4-row shapes: as chosen, without the FMA form, with the norms as kernels of their own,
+with only the FMA form, and with cuBLAS throughout.
 
 The chooser (layers/triton_gemv.py) times each shape alone, in a CUDA graph of copies of one kernel. This
 replays the whole verify graph instead, recaptured for each variant: how a choice plays out among the
@@ -23,30 +24,40 @@ from specserve.layers import triton_gemv
 from specserve.layers.triton_gemv import Tile
 
 ROWS = 4
-SHAPES = {"qkv": ((6144, 4096), False), "o": ((4096, 4096), False), "gate_up": ((28672, 4096), True),
-          "down": ((4096, 14336), False)}
-VARIANTS = {
-    "as chosen": {},
-    "gate_up cuBLAS": {"gate_up": None},
-    "down cuBLAS": {"down": None},
-    "gate_up, down cuBLAS": {"gate_up": None, "down": None},
-    "gate_up, down, o cuBLAS": {"gate_up": None, "down": None, "o": None},
-    "gate_up tile 64x128 (4 warps, 3 stages)": {"gate_up": Tile(64, 128, 4, 3)},
-    "gate_up tile 32x128 (4, 3)": {"gate_up": Tile(32, 128, 4, 3)},
-    "gate_up tile 64x128 (4, 4)": {"gate_up": Tile(64, 128, 4, 4)},
-    "down tile 32x128": {"down": Tile(32, 128, 4, 3)},
-    "down tile 16x256": {"down": Tile(16, 256, 4, 3)},
-    "qkv tile 32x256": {"qkv": Tile(32, 256, 4, 4)},
-    "qkv tile 64x256": {"qkv": Tile(64, 256, 4, 4)},
-    "every 4-row shape tile 32x128": {name: Tile(32, 128, 4, 3) for name in ("qkv", "o", "gate_up", "down")},
-}
 
 
-def key(name: str) -> tuple:
-    """The chooser's key of a shape as the 4-row verify calls it: unfolded (on this shape the fold loses at 4
-    rows, so the layers keep their norm kernels there; `main` checks)."""
-    shape, gate_up = SHAPES[name]
-    return shape, torch.bfloat16, ROWS, gate_up, False
+def best_of(timings: dict[str, float], allowed) -> Tile | None:
+    """The chooser's pick from one key's timings, among the tiles `allowed` admits (None: cuBLAS)."""
+    tiles = {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS) if allowed(tile)}
+    name = min((n for n in timings if n in tiles), key=timings.get, default=None)
+    return None if name is None or timings["cublas"] < timings[name] else tiles[name]
+
+
+def four_row_forms(timings: dict) -> list[dict]:
+    """Each 4-row key's timings alone (microseconds): cuBLAS, the best FMA tile and the best dot tile."""
+    fma = {str(tile) for tile in triton_gemv.FEW_ROWS_TILES}
+    rows = []
+    for (shape, _, rows_bucket, gate_up, norm), times in timings.items():
+        if rows_bucket == ROWS:
+            best = {form: min((t for n, t in times.items() if n != "cublas" and (n in fma) == is_fma), default=None)
+                    for form, is_fma in (("fma", True), ("dot", False))}
+            rows.append({"weight": list(shape), "gate_up": gate_up, "norm": norm, "cublas": round(times["cublas"], 2),
+                         **{form: t and round(t, 2) for form, t in best.items()}})
+    return rows
+
+
+def variants(chosen: dict, timings: dict) -> dict[str, dict]:
+    """Each variant's decisions for the 4-row keys (shape, dtype, rows, gate_up, norm); a folded key set to
+    None sends its layer's norm to a kernel of its own."""
+    four = [key for key in chosen if key[2] == ROWS]
+    return {
+        "as chosen": {},
+        "without the FMA form": {key: best_of(timings[key], lambda t: not t.fma) for key in four},
+        "norms unfolded": {key: None for key in four if key[4]},
+        "only the FMA form": {key: best_of(timings[key] | {"cublas": float("inf")}, lambda t: t.fma)
+                              for key in four},
+        "cuBLAS for every 4-row shape": {key: None for key in four},
+    }
 
 
 def main() -> None:
@@ -58,26 +69,25 @@ def main() -> None:
     engine, _ = build_engine_core(replace(BASE, spec=CHAIN), progress=False)
     program = engine.runner.spec_graphs
     chosen = dict(triton_gemv.choice.best)
-    assert chosen.get((SHAPES["qkv"][0], torch.bfloat16, ROWS, False, True)) is None, "4-row layers fold here"
     results = []
     with torch.inference_mode():
         n = place_at(program, args.context)
         metas = program._metas(1, n)
         _, drafts = graphed(lambda: program._draft(1, metas))
         plain_ms = cuda_ms(plain_step(engine.runner, args.context, BASE.cache.page_size), args.repeats)
-        for late in (True, False):
-            triton_gemv.LATE_TRIGGER = late
-            for name, change in VARIANTS.items():
-                triton_gemv.choice.best = chosen | {key(shape): tile for shape, tile in change.items()}
-                verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
-                ms = cuda_ms(verify, args.repeats)
-                results.append({"variant": name, "late_trigger": late, "verify_ms": round(ms, 4),
-                                "verify_minus_plain_ms": round(ms - plain_ms, 4)})
-                print(results[-1], flush=True)
+        for name, change in variants(chosen, triton_gemv.choice.timings).items():
+            triton_gemv.choice.best = chosen | change
+            verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
+            ms = cuda_ms(verify, args.repeats)
+            results.append({"variant": name, "verify_ms": round(ms, 4),
+                            "verify_minus_plain_ms": round(ms - plain_ms, 4),
+                            "decisions": {f"{list(k[0])}{' gate_up' if k[3] else ''}{' +norm' if k[4] else ''}": str(v)
+                                          for k, v in (chosen | change).items() if k[2] == ROWS}})
+            print(results[-1], flush=True)
     triton_gemv.choice.best = chosen
     report = {"benchmark": "verify_gemv_choices", "hardware": hardware_info(), "plain_decode_ms": round(plain_ms, 4),
               "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head", "rows": ROWS},
-              "as_chosen": {name: str(chosen.get(key(name))) for name in SHAPES}, "results": results}
+              "results": results, "four_row_forms_us": four_row_forms(triton_gemv.choice.timings)}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
