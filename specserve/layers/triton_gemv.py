@@ -28,7 +28,6 @@ from specserve.layers import triton_pdl
 from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
-MAX_FMA_ROWS = 4  # rows the FMA form takes (padded to a power of two): each adds an accumulator per thread
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
 # Kernels of several rows let the next kernel launch (PDL) only once their main loop is done. Launched at their
 # start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
@@ -43,18 +42,11 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
-    fma: bool = False  # FMAs on CUDA cores, one accumulator per row (up to MAX_FMA_ROWS); else a tensor-core dot
 
 
-# One row: FMAs on CUDA cores. Two to four rows: the same, or a tensor-core dot with the rows padded to 16. The
-# FMA form keeps a norm folded in at full speed, where the dot's does not (its input tile must be scaled before
-# the dot, which cost a 4-row qkv projection 29 us against 15.6 unfolded); a chain verify of 3 drafts and a
-# top-4 tree's drafting steps are 4 rows.
-ONE_ROW_TILES = [Tile(n, k, w, s, fma=True)
-                 for n, k in ((4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256))
+# One row: FMAs on CUDA cores; several rows: a tensor-core dot with the rows padded to 16.
+ONE_ROW_TILES = [Tile(n, k, w, s) for n, k in ((4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256))
                  for w, s in ((4, 3), (4, 5), (8, 4))]
-FEW_ROWS_TILES = [Tile(n, k, w, s, fma=True) for n, k in ((4, 256), (4, 512), (8, 128), (8, 256), (16, 128))
-                  for w, s in ((4, 3), (8, 4))]
 # The row tiles that came within 2 % of the best on some 8B shape at 4 or 16 rows (the 128-wide ones for the
 # gate/up form, which streams two weight tiles), and one narrow tile for small models.
 ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Tile(32, 256, 4, 4), Tile(32, 256, 4, 5),
@@ -62,53 +54,44 @@ ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Til
               Tile(128, 128, 8, 3)]
 
 
-@triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form per padded row count
+@triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
 def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
-                 ROWS: tl.constexpr, FMA: tl.constexpr, ONE_ROW: tl.constexpr, GATE_UP: tl.constexpr,
+                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, GATE_UP: tl.constexpr,
                  NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    # FMA forms keep a [BLOCK_N, BLOCK_K] partial sum per row and reduce it once, after the loop. With several
-    # rows, weights and inputs are loaded as [1, BLOCK_N, BLOCK_K] and [ROWS, 1, BLOCK_K] tiles, so they meet
-    # in the accumulator's layout without a trip through shared memory.
-    if FMA and not ONE_ROW:
-        w_rows = W + n.to(tl.int64)[None, :, None] * stride_wn
-    else:
-        w_rows = W + n.to(tl.int64)[:, None] * stride_wn
+    w_rows = W + n.to(tl.int64)[:, None] * stride_wn
     up_rows = w_rows + N * stride_wn  # GATE_UP: W holds [gate; up], 2N rows, and each program takes both halves
     m = tl.arange(0, ROWS)
     if ONE_ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
-    elif FMA:
-        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-        squares = tl.zeros([ROWS, 1, BLOCK_K], tl.float32)
     else:
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
     acc_up = acc
     # The first weight tile does not depend on the kernel before: it is read while that one finishes.
     k = tl.arange(0, BLOCK_K)
-    w = _load_w(w_rows, k, n_ok, K, EVEN, FMA and not ONE_ROW)
+    w = _load_w(w_rows, k, n_ok, K, EVEN)
     if GATE_UP:
-        w_up = _load_w(up_rows, k, n_ok, K, EVEN, FMA and not ONE_ROW)
+        w_up = _load_w(up_rows, k, n_ok, K, EVEN)
     else:
         w_up = w
     if PDL:
-        if FMA or not LATE_TRIGGER:
+        if ONE_ROW or not LATE_TRIGGER:
             gdc_launch_dependents()
         gdc_wait()
-    acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, FMA,
-                                       ONE_ROW, GATE_UP, NORM)
+    acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW,
+                                       GATE_UP, NORM)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(w_rows, k, n_ok, K, EVEN, FMA and not ONE_ROW)
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
-            w_up = _load_w(up_rows, k, n_ok, K, EVEN, FMA and not ONE_ROW)
+            w_up = _load_w(up_rows, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
-                                           FMA, ONE_ROW, GATE_UP, NORM)
-    if PDL and not FMA and LATE_TRIGGER:
+                                           ONE_ROW, GATE_UP, NORM)
+    if PDL and not ONE_ROW and LATE_TRIGGER:
         gdc_launch_dependents()
     if ONE_ROW:
         out = tl.sum(acc, 1)
@@ -124,16 +107,9 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
-        if FMA:
-            acc = tl.sum(acc, 2)
-            if GATE_UP:
-                acc_up = tl.sum(acc_up, 2)
         ok = (m < M)[:, None] & n_ok[None, :]
         if NORM:
-            if FMA:
-                scale = tl.rsqrt(tl.sum(squares, 2) / K + eps)
-            else:
-                scale = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
+            scale = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
             acc = acc * scale
         if GATE_UP:
             if NORM:
@@ -145,33 +121,25 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
-def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, FMA: tl.constexpr,
-                ONE_ROW: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr):
-    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, FMA, ONE_ROW, NORM)
-    acc = _product(acc, w, x, FMA, ONE_ROW)
+def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
+                GATE_UP: tl.constexpr, NORM: tl.constexpr):
+    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, NORM)
+    acc = _product(acc, w, x, ONE_ROW)
     if GATE_UP:
-        acc_up = _product(acc_up, w_up, x, FMA, ONE_ROW)
+        acc_up = _product(acc_up, w_up, x, ONE_ROW)
     return acc, acc_up, squares
 
 
 @triton.jit
-def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, FMA: tl.constexpr, ONE_ROW: tl.constexpr,
-                NORM: tl.constexpr):
-    """x at columns k, as the product takes it (fp32 for FMAs, the model dtype for the dot). With NORM, x is
-    the residual stream before RMSNorm: its squares are summed (the reciprocal RMS scales the outputs at the
-    end) and it is scaled by the norm's weight."""
+def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.constexpr, NORM: tl.constexpr):
+    """x at columns k, as the product takes it. With NORM, x is the residual stream before RMSNorm: its squares
+    are summed (the reciprocal RMS scales the outputs at the end) and it is scaled by the norm's weight."""
     k_ok = k < K
     if ONE_ROW:
         x = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:
             squares += x * x
             x = x * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)
-    elif FMA:  # [ROWS, 1, BLOCK_K]
-        x = tl.load(X + m[:, None, None] * stride_xm + k[None, None, :],
-                    mask=(m < M)[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
-        if NORM:
-            squares += x * x
-            x = x * tl.load(GAMMA + k[None, None, :], mask=k_ok[None, None, :], other=0.0).to(tl.float32)
     else:
         x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
         if NORM:
@@ -182,27 +150,19 @@ def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, FMA: tl.constex
 
 
 @triton.jit
-def _product(acc, w, x, FMA: tl.constexpr, ONE_ROW: tl.constexpr):
+def _product(acc, w, x, ONE_ROW: tl.constexpr):
     if ONE_ROW:  # FMAs on CUDA cores, summed over the tile's columns at the end
         acc += w.to(tl.float32) * x[None, :]
-    elif FMA:  # [1, BLOCK_N, BLOCK_K] * [ROWS, 1, BLOCK_K]
-        acc += w.to(tl.float32) * x
     else:
         acc += tl.dot(x, tl.trans(w))
     return acc
 
 
 @triton.jit
-def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr, THREE_D: tl.constexpr):
-    if THREE_D:
-        cols = k[None, None, :]
-        ok = n_ok[None, :, None] & (k < K)[None, None, :]
-    else:
-        cols = k[None, :]
-        ok = n_ok[:, None] & (k < K)[None, :]
+def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
     if EVEN:  # no masks: the loads vectorise
-        return tl.load(w_rows + cols)
-    return tl.load(w_rows + cols, mask=ok, other=0.0)
+        return tl.load(w_rows + k[None, :])
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -222,10 +182,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
     rows = x.shape[0]
     out_features, width = weight.shape
-    if (rows > (MAX_FMA_ROWS if tile.fma else MAX_ROWS) or x.stride(1) != 1 or weight.stride(1) != 1
-            or x.dtype not in DTYPES or x.shape[1] != width or (gate_up and out_features % 2)):
-        raise ValueError("gemv takes at most 16 bf16/fp16 rows (4 in the FMA form) of the weight's width, "
-                         "each contiguous")
+    if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
+            or x.shape[1] != width or (gate_up and out_features % 2)):
+        raise ValueError("gemv takes at most 16 bf16/fp16 rows of the weight's width, each contiguous")
     out_features //= 2 if gate_up else 1
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
@@ -234,9 +193,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
         x, weight, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
-        out.stride(0), residual.stride(0) if residual is not None else 0, eps,
-        ROWS=triton.next_power_of_2(rows) if tile.fma else MAX_ROWS, FMA=tile.fma, ONE_ROW=tile.fma and rows == 1,
-        GATE_UP=gate_up, NORM=norm_weight is not None, ADD=residual is not None,
+        out.stride(0), residual.stride(0) if residual is not None else 0, eps, ROWS=MAX_ROWS,
+        ONE_ROW=rows == 1, GATE_UP=gate_up, NORM=norm_weight is not None, ADD=residual is not None,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
         num_stages=tile.num_stages, LATE_TRIGGER=LATE_TRIGGER, **triton_pdl.launch_options(x))
     return out
@@ -309,7 +267,7 @@ class Choice:
                  ) -> Tile | None:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
         gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
-        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0])}
+        tiles = {str(tile): tile for tile in (ONE_ROW_TILES if x.shape[0] == 1 else ROWS_TILES)}
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, gamma)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=gamma, eps=1e-5, gate_up=gate_up))
                        for name, tile in tiles.items()}
@@ -326,12 +284,6 @@ class Choice:
             return None
         best_tile = min(timed, key=times.get)
         return None if times["cublas"] * CUBLAS_MARGIN < times[best_tile] else tiles[best_tile]  # None: cuBLAS
-
-
-def candidate_tiles(rows: int) -> list[Tile]:
-    if rows == 1:
-        return ONE_ROW_TILES
-    return (FEW_ROWS_TILES if rows <= MAX_FMA_ROWS else []) + ROWS_TILES
 
 
 def decide_all(module: torch.nn.Module) -> None:
