@@ -1,5 +1,6 @@
 """A batch-1 chain verify step (Llama-3.1-8B shape, random bf16 weights, 4 rows: root + 3 drafts) under other
-GEMV choices for its 4-row shapes: as chosen, with the norms as kernels of their own, and with cuBLAS throughout.
+GEMV choices for its 4-row shapes: as chosen, without the swapped-operand tiles, with the norms as kernels of
+their own, and with cuBLAS throughout.
 
 The chooser (layers/triton_gemv.py) times each shape alone, in a CUDA graph of copies of one kernel. This
 replays the whole verify graph instead, recaptured for each variant: how a choice plays out among the
@@ -20,27 +21,39 @@ from spec_step_parts import BASE, CHAIN, graphed, place_at, plain_step
 from specserve.bench.decode import hardware_info
 from specserve.engine.factory import build_engine_core
 from specserve.layers import triton_gemv
+from specserve.layers.triton_gemv import Tile
 
 ROWS = 4
 
 
+def best_of(timings: dict[str, float], allowed) -> Tile | None:
+    """The chooser's pick from one key's timings among the tiles `allowed` admits (None: cuBLAS)."""
+    tiles = {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS) if allowed(tile)}
+    name = min((n for n in timings if n in tiles), key=timings.get, default=None)
+    return None if name is None or timings["cublas"] < timings[name] else tiles[name]
+
+
 def four_row_forms(timings: dict) -> list[dict]:
-    """Each 4-row key's timings alone (microseconds): cuBLAS and the best tile."""
+    """Each 4-row key's timings alone (microseconds): cuBLAS, the best tile with the rows as the dot's left
+    operand and the best with the weight there (swapped)."""
+    swapped = {str(tile) for tile in triton_gemv.SWAP_TILES}
     rows = []
     for (shape, _, rows_bucket, gate_up, norm), times in timings.items():
         if rows_bucket == ROWS:
-            best = min((t for n, t in times.items() if n != "cublas"), default=None)
+            best = {form: min((t for n, t in times.items() if n != "cublas" and (n in swapped) == swap), default=None)
+                    for form, swap in (("rows_left", False), ("swapped", True))}
             rows.append({"weight": list(shape), "gate_up": gate_up, "norm": norm, "cublas": round(times["cublas"], 2),
-                         "best_tile": best and round(best, 2)})
+                         **{form: t and round(t, 2) for form, t in best.items()}})
     return rows
 
 
-def variants(chosen: dict) -> dict[str, dict]:
+def variants(chosen: dict, timings: dict) -> dict[str, dict]:
     """Each variant's decisions for the 4-row keys (shape, dtype, rows, gate_up, norm); a folded key set to
     None sends its layer's norm to a kernel of its own."""
     four = [key for key in chosen if key[2] == ROWS]
     return {
         "as chosen": {},
+        "without the swapped tiles": {key: best_of(timings[key], lambda t: not t.swap) for key in four},
         "norms unfolded": {key: None for key in four if key[4]},
         "cuBLAS for every 4-row shape": {key: None for key in four},
     }
@@ -61,7 +74,7 @@ def main() -> None:
         metas = program._metas(1, n)
         _, drafts = graphed(lambda: program._draft(1, metas))
         plain_ms = cuda_ms(plain_step(engine.runner, args.context, BASE.cache.page_size), args.repeats)
-        for name, change in variants(chosen).items():
+        for name, change in variants(chosen, triton_gemv.choice.timings).items():
             triton_gemv.choice.best = chosen | change
             verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
             ms = cuda_ms(verify, args.repeats)

@@ -520,7 +520,7 @@ def test_triton_gemv_matches_cublas(rows, shape):
     reference = x.float() @ weight.float().T
     gated_reference = triton_pointwise.silu_and_mul((x @ weight.T)).float()
     gated_tiles = 0
-    for tile in triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES:
+    for tile in triton_gemv.candidate_tiles(rows):
         torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
         gated = _gate_up_or_none(x, weight, tile)
         if gated is not None:
@@ -563,7 +563,7 @@ def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
     reference = normed @ weight.float().T
     gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
-    for tile in triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES:
+    for tile in triton_gemv.candidate_tiles(rows):
         folded = triton_gemv.gemv(x, weight, tile, norm_weight=gamma, eps=1e-5)
         torch.testing.assert_close(folded.float(), reference, atol=2e-2, rtol=2e-2)
         added = triton_gemv.gemv(x, weight, tile, residual=residual)

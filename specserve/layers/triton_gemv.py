@@ -42,6 +42,7 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
+    swap: bool = False  # several rows: the weight tile is the dot's left operand (see _product)
 
 
 # One row: FMAs on CUDA cores; several rows: a tensor-core dot with the rows padded to 16.
@@ -52,11 +53,16 @@ ONE_ROW_TILES = [Tile(n, k, w, s) for n, k in ((4, 512), (8, 256), (8, 512), (16
 ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Tile(32, 256, 4, 4), Tile(32, 256, 4, 5),
               Tile(64, 128, 4, 3), Tile(64, 128, 4, 4), Tile(64, 256, 4, 4), Tile(128, 128, 4, 3),
               Tile(128, 128, 8, 3)]
+# The same rows with the weight as the dot's left operand (M = BLOCK_N, at least 64: one warpgroup's rows): on
+# Hopper that makes the dot a wgmma reading the weight tile from shared memory, where the copies that fill it
+# are pipelined over num_stages tiles; with the rows on the left (above) it is an mma of 16 padded rows.
+SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
+              ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
 
 
 @triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
 def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
-                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, GATE_UP: tl.constexpr,
+                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
                  NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,7 +74,10 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
     else:
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
+        else:
+            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
     acc_up = acc
     # The first weight tile does not depend on the kernel before: it is read while that one finishes.
@@ -83,14 +92,14 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             gdc_launch_dependents()
         gdc_wait()
     acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW,
-                                       GATE_UP, NORM)
+                                       SWAP, GATE_UP, NORM)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
             w_up = _load_w(up_rows, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
-                                           ONE_ROW, GATE_UP, NORM)
+                                           ONE_ROW, SWAP, GATE_UP, NORM)
     if PDL and not ONE_ROW and LATE_TRIGGER:
         gdc_launch_dependents()
     if ONE_ROW:
@@ -107,6 +116,9 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
+        if SWAP:
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
         ok = (m < M)[:, None] & n_ok[None, :]
         if NORM:
             scale = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
@@ -122,11 +134,11 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
 
 @triton.jit
 def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
-                GATE_UP: tl.constexpr, NORM: tl.constexpr):
+                SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr):
     x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, NORM)
-    acc = _product(acc, w, x, ONE_ROW)
+    acc = _product(acc, w, x, ONE_ROW, SWAP)
     if GATE_UP:
-        acc_up = _product(acc_up, w_up, x, ONE_ROW)
+        acc_up = _product(acc_up, w_up, x, ONE_ROW, SWAP)
     return acc, acc_up, squares
 
 
@@ -150,9 +162,11 @@ def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.con
 
 
 @triton.jit
-def _product(acc, w, x, ONE_ROW: tl.constexpr):
+def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
     if ONE_ROW:  # FMAs on CUDA cores, summed over the tile's columns at the end
         acc += w.to(tl.float32) * x[None, :]
+    elif SWAP:  # the weight tile as the dot's left operand: [BLOCK_N, BLOCK_K] @ [BLOCK_K, ROWS]
+        acc += tl.dot(w, tl.trans(x))
     else:
         acc += tl.dot(x, tl.trans(w))
     return acc
@@ -194,8 +208,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         x, weight, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
         out.stride(0), residual.stride(0) if residual is not None else 0, eps, ROWS=MAX_ROWS,
-        ONE_ROW=rows == 1, GATE_UP=gate_up, NORM=norm_weight is not None, ADD=residual is not None,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
+        ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm_weight is not None,
+        ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
         num_stages=tile.num_stages, LATE_TRIGGER=LATE_TRIGGER, **triton_pdl.launch_options(x))
     return out
 
@@ -267,7 +281,7 @@ class Choice:
                  ) -> Tile | None:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
         gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
-        tiles = {str(tile): tile for tile in (ONE_ROW_TILES if x.shape[0] == 1 else ROWS_TILES)}
+        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0])}
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, gamma)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=gamma, eps=1e-5, gate_up=gate_up))
                        for name, tile in tiles.items()}
@@ -284,6 +298,11 @@ class Choice:
             return None
         best_tile = min(timed, key=times.get)
         return None if times["cublas"] * CUBLAS_MARGIN < times[best_tile] else tiles[best_tile]  # None: cuBLAS
+
+
+def candidate_tiles(rows: int) -> list[Tile]:
+    """The tiles the chooser times for a call of `rows` rows."""
+    return ONE_ROW_TILES if rows == 1 else ROWS_TILES + SWAP_TILES
 
 
 def decide_all(module: torch.nn.Module) -> None:
