@@ -370,6 +370,55 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
         assert runs[0] == _hf_greedy(path, prompts, "cuda")
 
 
+@pytest.mark.parametrize("spec_args", [(3,), (1,), (4, 3, 9)], ids=["chain", "chain-of-one", "tree"])
+def test_following_rows_from_one_kernel_equal_the_pytorch_form(tiny_checkpoint, tmp_path, monkeypatch, spec_args):
+    """The fused kernel (engine/triton_follow.py) writes what SpecGraphs._follow's PyTorch form writes."""
+    from specserve.engine import triton_follow
+
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    config = replace(_tight_config(str(path), 200), device="cuda", spec=SpecConfig("EAGLE3", str(tmp_path), *spec_args),
+                     disable_cuda_graph=True)
+    engine, _ = build_engine_core(config, progress=False)
+    monkeypatch.setattr(triton_follow, "ENABLED", False)
+    check_fused_follow(engine.runner.spec_graphs)
+
+
+def check_fused_follow(program) -> None:
+    """On random last-step results, page tables and host-written inputs, for a batch of rows that follow and
+    rows that do not (whose inputs must stay as the host wrote them), with positions past the page table
+    among them: every per-step buffer after `triton_follow.follow_rows` equals it after `program._follow`
+    (which must take its PyTorch form). Runs on any device Triton can launch on."""
+    from specserve.engine import triton_follow
+
+    g = torch.Generator().manual_seed(0)
+    bs = max(b for b in program.batch_sizes if b <= 16)
+    n = program.context_lens[-1]
+    table = program.tables[n]
+    device = table.device
+
+    def rand(low, high, shape):
+        return torch.randint(low, high, shape, generator=g).to(device)
+
+    program._flat.copy_(rand(0, 10_000, program._flat.shape))
+    program.follow[:bs] = rand(-1, bs, (bs,))
+    program.follow[0], program.follow[1] = -1, bs - 1
+    width = program.width
+    program.last_packed[:, :width] = rand(0, 500, (program.max_bs, width))
+    program.last_packed[:, width] = rand(0, width, (program.max_bs,))
+    program.last_root[:] = rand(0, n, (program.max_bs,))  # some past the table: their pages clamp
+    table[:] = rand(0, 100, table.shape).to(table.dtype)
+    drafts = program.depth if hasattr(program, "depth") else program.k
+    program.limit[:bs] = rand(0, drafts + 1, (bs,))
+    before = program._flat.clone()
+    program._follow(bs, n)
+    expected = program._flat.clone()
+    program._flat.copy_(before)
+    triton_follow.follow_rows(program, bs, table[:bs])
+    assert torch.equal(program._flat, expected)
+    assert not torch.equal(expected, before)  # some row followed
+
+
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_programs_sample_unseeded_rows_without_syncs(tiny_checkpoint, tmp_path, shape):
     """Unseeded sampled rows take the chain or tree program (eagerly, beside its graphs) under overlap, and

@@ -285,7 +285,14 @@ class SpecGraphs:
         before reading that one back) take their inputs from its results, on the device. The head catches up on
         that step's root and accepted drafts (position j pairs token j + 1 with the taps of j: the tokens are
         that step's new ones); the new root is the one after them, and its token is that step's last.
-        Rows with follow = -1 keep the inputs the host wrote."""
+        Rows with follow = -1 keep the inputs the host wrote. On a GPU one kernel writes the same
+        (engine/triton_follow.py)."""
+        if self.device.type == "cuda":
+            from specserve.engine import triton_follow
+
+            if triton_follow.ENABLED:
+                triton_follow.follow_rows(self, bs, self.tables[n][:bs])
+                return
         w, ps = self.width, self.page_size
         src = self.follow[:bs].clamp(min=0)
         on = self.follow[:bs, None] >= 0
