@@ -1,6 +1,7 @@
 """A batch-1 chain verify step (Llama-3.1-8B shape, random bf16 weights, 4 rows: root + 3 drafts) under other
 GEMV choices for its 4-row shapes: as chosen, without the swapped-operand tiles, with the norms as kernels of
-their own, and with cuBLAS throughout.
+their own, and with cuBLAS throughout. The swapped-operand tiles are made chooser candidates here
+(SPECSERVE_GEMV_SWAP_TILES=1 in serving).
 
 The chooser (layers/triton_gemv.py) times each shape alone, in a CUDA graph of copies of one kernel. This
 replays the whole verify graph instead, recaptured for each variant: how a choice plays out among the
@@ -65,6 +66,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    triton_gemv.SWAP_CANDIDATES = True
     engine, _ = build_engine_core(replace(BASE, spec=CHAIN), progress=False)
     program = engine.runner.spec_graphs
     chosen = dict(triton_gemv.choice.best)

@@ -392,7 +392,7 @@ def check_fused_follow(program) -> None:
     from specserve.engine import triton_follow
 
     g = torch.Generator().manual_seed(0)
-    bs = max(b for b in program.batch_sizes if b <= 16)
+    bs = program.batch_sizes[-2]  # below the largest: rows past bs must stay untouched too
     n = program.context_lens[-1]
     table = program.tables[n]
     device = table.device
@@ -401,8 +401,8 @@ def check_fused_follow(program) -> None:
         return torch.randint(low, high, shape, generator=g).to(device)
 
     program._flat.copy_(rand(0, 10_000, program._flat.shape))
-    program.follow[:bs] = rand(-1, bs, (bs,))
-    program.follow[0], program.follow[1] = -1, bs - 1
+    program.follow[:bs] = rand(-1, program.max_bs, (bs,))  # rows of the last launch, which may have been larger
+    program.follow[0], program.follow[1] = -1, program.max_bs - 1
     width = program.width
     program.last_packed[:, :width] = rand(0, 500, (program.max_bs, width))
     program.last_packed[:, width] = rand(0, width, (program.max_bs,))
@@ -569,7 +569,7 @@ def test_triton_gemv_matches_cublas(rows, shape):
     reference = x.float() @ weight.float().T
     gated_reference = triton_pointwise.silu_and_mul((x @ weight.T)).float()
     gated_tiles = 0
-    for tile in triton_gemv.candidate_tiles(rows):
+    for tile in _every_tile(rows):
         torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
         gated = _gate_up_or_none(x, weight, tile)
         if gated is not None:
@@ -580,6 +580,13 @@ def test_triton_gemv_matches_cublas(rows, shape):
     tile = triton_gemv.choice.tile(x, weight)
     assert tile is None or isinstance(tile, triton_gemv.Tile)
     assert "cublas" in triton_gemv.choice.timings[triton_gemv.choice.key(x, weight)]
+
+
+def _every_tile(rows: int):
+    """Every tile the kernel takes for `rows`, candidates of the chooser or not (the swapped ones are not yet)."""
+    from specserve.layers import triton_gemv
+
+    return triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):
@@ -612,7 +619,7 @@ def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
     reference = normed @ weight.float().T
     gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
-    for tile in triton_gemv.candidate_tiles(rows):
+    for tile in _every_tile(rows):
         folded = triton_gemv.gemv(x, weight, tile, norm_weight=gamma, eps=1e-5)
         torch.testing.assert_close(folded.float(), reference, atol=2e-2, rtol=2e-2)
         added = triton_gemv.gemv(x, weight, tile, residual=residual)
@@ -633,7 +640,7 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
     monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
     path = tiny_checkpoint("llama", True)
-    prompt = torch.randint(0, 512, (9,), device="cuda")
+    prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.inference_mode():
         model, step = _prefilled_step(path, "bfloat16", prompt, rows)
         qkv_proj = model.layers[0].self_attn.qkv_proj
@@ -647,15 +654,16 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     # residual stream reaches |60| here, where one bf16 step is 0.25), and they round in different places (the
     # fold rounds the normed input and the o_proj/down outputs to bf16 once less; at several rows it rounds
     # the input times the norm's weight before the reciprocal RMS), so neither equals the other or fp32: on
-    # the H200 the folded 4-row step's first tap was off by 1.69 where the unfolded one's was off by 0.76.
-    # A wrong fold (a missing weight, norm or add) misses by the order of the values themselves, so each
-    # tensor is held to 1/16 of its largest magnitude. (The same steps in fp32 through the GEMV kernels, run
-    # by Triton's interpreter on a CPU, agree with plain PyTorch to 1e-4 at one row and at four.)
+    # the H200 the folded 4-row step's first tap was off by 1.69 at most, the unfolded one's by 0.76. So each
+    # tensor's error is measured as a whole, |a - ref| / |ref|, and held to 10 %. Measured on a CPU with this
+    # checkpoint and prompt (PyTorch's bf16 path): 1-2 % at one row and at four; with one layer's norm weight
+    # dropped, 35-45 %. (The same steps in fp32 through the GEMV kernels, run by Triton's interpreter on a
+    # CPU, agree with plain PyTorch to 1e-4 at one row and at four, folded and unfolded.)
     for name, a, b, ref in zip(["hidden", "tap 0", "tap 1", "logits"], [folded[0], *folded[1], folded[2]],
                                [unfolded[0], *unfolded[1], unfolded[2]], [exact[0], *exact[1], exact[2]]):
-        bound = ref.abs().max().item() / 16
-        assert (a.float() - ref).abs().max().item() <= bound, (name, "folded")
-        assert (b.float() - ref).abs().max().item() <= bound, (name, "unfolded")
+        for form, out in (("folded", a), ("unfolded", b)):
+            error = ((out.float() - ref).norm() / ref.norm()).item()
+            assert error <= 0.1, (name, form, error)
     assert not torch.equal(folded[1][1], unfolded[1][1])  # the two forms did run
 
 

@@ -3,9 +3,10 @@
 `SpecGraphs._follow` and the programs' `_follow_root` state in PyTorch what a following row's inputs are: the
 head's catch-up on the last step's root and accepted drafts, the new root and its token, and every slot from
 the page table. On a GPU that is ~60 kernels of a few elements each, in every program graph, each paying a
-launch's latency: together about as long as the rest of a batch-1 chain step outside its forwards (~0.13 ms).
+launch's latency: together about as long as the rest of a batch-1 chain step outside its forwards (~0.12 ms).
 This kernel writes the same buffers in one launch, one program per row. The PyTorch form stays the CPU path
-and is the reference a GPU test holds this to; SPECSERVE_FUSED_FOLLOW=0 keeps it on the GPU too (A/B).
+and is the reference a GPU test holds this to. Off until it has run on a GPU: SPECSERVE_FUSED_FOLLOW=1 turns
+it on (and is the A/B switch).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("SPECSERVE_FUSED_FOLLOW", "1") != "0"
+ENABLED = os.environ.get("SPECSERVE_FUSED_FOLLOW", "0") == "1"
 
 
 @triton.jit
@@ -76,6 +77,7 @@ def follow_rows(program, bs: int, table: torch.Tensor) -> None:
     for name in ("catch_ids", "catch_pos", "catch_slots") + (("real_slots",) if tree else ("verify_pos",
                                                                                             "verify_slots")):
         assert getattr(program, name).stride(0) == getattr(program, name).shape[1], name  # rows of W (or depth)
+    assert tree or program.extend_pos.stride() == program.extend_slots.stride()
     unused = program.follow  # pointer arguments of the form not taken (never read or written)
     chain_buffers = (unused,) * 4 if tree else (program.extend_pos, program.extend_slots, program.verify_pos,
                                                  program.verify_slots)

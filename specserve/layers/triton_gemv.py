@@ -58,6 +58,9 @@ ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Til
 # are pipelined over num_stages tiles; with the rows on the left (above) it is an mma of 16 padded rows.
 SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
+# Not candidates until they have been run and timed on a GPU (the chooser checks speed, not results):
+# SPECSERVE_GEMV_SWAP_TILES=1 lets the chooser time them.
+SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "0") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
@@ -302,7 +305,7 @@ class Choice:
 
 def candidate_tiles(rows: int) -> list[Tile]:
     """The tiles the chooser times for a call of `rows` rows."""
-    return ONE_ROW_TILES if rows == 1 else ROWS_TILES + SWAP_TILES
+    return ONE_ROW_TILES if rows == 1 else ROWS_TILES + (SWAP_TILES if SWAP_CANDIDATES else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:
