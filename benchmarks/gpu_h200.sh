@@ -8,10 +8,11 @@
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
+# candidates: the GPU paths written but off by default (SPECSERVE_GEMV_SWAP_TILES, SPECSERVE_FUSED_FOLLOW), A/B.
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [profile] [smol] [gemv_ab] [idle] [timeline]
+#        [tax] [profile] [smol] [gemv_ab] [candidates] [idle] [timeline]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +91,18 @@ if want gemv_ab; then
     SPECSERVE_TRITON_GEMV=$gemv python3 -m specserve.cli bench decode --device cuda --model-path llama-3.1-8b \
       --load-format dummy --dtype bfloat16 --context-length 2048 --prompt-len 512 --output-len 128 --repeats 2 \
       --batch-sizes 1 4 --no-hf --out "$OUT/decode_gpu_8b_gemv$gemv.json"
+  done
+fi
+if want candidates; then
+  # The switched-off candidates (swapped-operand GEMV tiles, the fused follow kernel), off and on: the verify
+  # step under each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree).
+  python3 benchmarks/verify_gemv_choices.py --out "$OUT/verify_gemv_swap.json"
+  for on in 0 1; do
+    SPECSERVE_GEMV_SWAP_TILES=$on SPECSERVE_FUSED_FOLLOW=$on python3 benchmarks/spec_step_parts.py \
+      --out "$OUT/spec_step_parts_candidates$on.json"
+    SPECSERVE_GEMV_SWAP_TILES=$on SPECSERVE_FUSED_FOLLOW=$on python3 benchmarks/spec_off_tax.py \
+      --batch-sizes 1 --setups plain "EAGLE-3 chain 3, simulated tau 3" \
+      "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" --out "$OUT/spec_candidates$on.json"
   done
 fi
 if want idle; then
