@@ -54,7 +54,7 @@ ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Til
               Tile(64, 128, 4, 3), Tile(64, 128, 4, 4), Tile(64, 256, 4, 4), Tile(128, 128, 4, 3),
               Tile(128, 128, 8, 3)]
 # The same rows with the weight as the dot's left operand (M = BLOCK_N, at least 64: one warpgroup's rows): for
-# Hopper that compiles to a wgmma with both operands in shared memory and fewer registers (64-78 %); with the
+# Hopper that compiles to a wgmma with both operands in shared memory and fewer registers (60-78 %); with the
 # rows on the left (above) it is an Ampere-style mma of 16 padded rows, its weight operand in registers.
 SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
