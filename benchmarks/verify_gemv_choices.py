@@ -29,9 +29,7 @@ ROWS = 4
 
 def best_of(timings: dict[str, float], allowed) -> Tile | None:
     """The chooser's pick from one key's timings among the tiles `allowed` admits (None: cuBLAS)."""
-    tiles = {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS) if allowed(tile)}
-    name = min((n for n in timings if n in tiles), key=timings.get, default=None)
-    return None if name is None or timings["cublas"] < timings[name] else tiles[name]
+    return triton_gemv.pick(timings, {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS) if allowed(tile)})
 
 
 def four_row_forms(timings: dict) -> list[dict]:

@@ -296,11 +296,17 @@ class Choice:
                 continue
         self.timings[key] = times
         del copies
-        timed = [name for name in times if name != "cublas"]
-        if not timed:
-            return None
-        best_tile = min(timed, key=times.get)
-        return None if times["cublas"] * CUBLAS_MARGIN < times[best_tile] else tiles[best_tile]  # None: cuBLAS
+        return pick(times, tiles)
+
+
+def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
+    """The fastest of `tiles` (by name) among those `times` holds, or None (cuBLAS) where none was timed or
+    cuBLAS ("cublas" in `times`) beats it by CUBLAS_MARGIN."""
+    timed = [name for name in times if name in tiles]
+    if not timed:
+        return None
+    best = min(timed, key=times.get)
+    return None if times["cublas"] * CUBLAS_MARGIN < times[best] else tiles[best]
 
 
 def candidate_tiles(rows: int) -> list[Tile]:
