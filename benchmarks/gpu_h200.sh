@@ -8,7 +8,8 @@
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
-# candidates: the GPU paths written but off by default (SPECSERVE_GEMV_SWAP_TILES, SPECSERVE_FUSED_FOLLOW), A/B.
+# candidates: the swapped-operand GEMV tiles and the fused follow kernel (SPECSERVE_GEMV_SWAP_TILES,
+# SPECSERVE_FUSED_FOLLOW), both off against both on (the default).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
@@ -94,7 +95,7 @@ if want gemv_ab; then
   done
 fi
 if want candidates; then
-  # The switched-off candidates (swapped-operand GEMV tiles, the fused follow kernel), off and on: the verify
+  # The swapped-operand GEMV tiles and the fused follow kernel, off and on: the verify
   # step under each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree).
   python3 benchmarks/verify_gemv_choices.py --out "$OUT/verify_gemv_swap.json"
   for on in 0 1; do

@@ -1,7 +1,7 @@
 """A batch-1 chain verify step (Llama-3.1-8B shape, random bf16 weights, 4 rows: root + 3 drafts) under other
-GEMV choices for its 4-row shapes: as chosen, without the swapped-operand tiles, with the norms as kernels of
-their own, and with cuBLAS throughout. The swapped-operand tiles are made chooser candidates here
-(SPECSERVE_GEMV_SWAP_TILES=1 in serving).
+GEMV choices for its 4-row shapes: as chosen, with the swapped-operand tiles also in the forms that fold a
+norm in (timed here, not in serving), without the swapped tiles, with the norms as kernels of their own, and
+with cuBLAS throughout.
 
 The chooser (layers/triton_gemv.py) times each shape alone, in a CUDA graph of copies of one kernel. This
 replays the whole verify graph instead, recaptured for each variant: how a choice plays out among the
@@ -29,7 +29,8 @@ ROWS = 4
 
 def best_of(timings: dict[str, float], allowed) -> Tile | None:
     """The chooser's pick from one key's timings among the tiles `allowed` admits (None: cuBLAS)."""
-    return triton_gemv.pick(timings, {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS) if allowed(tile)})
+    tiles = triton_gemv.candidate_tiles(ROWS, norm=False)
+    return triton_gemv.pick(timings, {str(tile): tile for tile in tiles if allowed(tile)})
 
 
 def four_row_forms(timings: dict) -> list[dict]:
@@ -51,7 +52,8 @@ def variants(chosen: dict, timings: dict) -> dict[str, dict]:
     None sends its layer's norm to a kernel of its own."""
     four = [key for key in chosen if key[2] == ROWS]
     return {
-        "as chosen": {},
+        "as chosen": {key: best_of(timings[key], lambda t: not t.swap) for key in four if key[4]},
+        "swapped tiles in the norm folds too": {},
         "without the swapped tiles": {key: best_of(timings[key], lambda t: not t.swap) for key in four},
         "norms unfolded": {key: None for key in four if key[4]},
         "cuBLAS for every 4-row shape": {key: None for key in four},
@@ -64,7 +66,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    triton_gemv.SWAP_CANDIDATES = True
+    triton_gemv.SWAP_CANDIDATES = triton_gemv.SWAP_IN_FOLDS = True
     engine, _ = build_engine_core(replace(BASE, spec=CHAIN), progress=False)
     program = engine.runner.spec_graphs
     chosen = dict(triton_gemv.choice.best)

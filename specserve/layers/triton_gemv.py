@@ -58,9 +58,12 @@ ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Til
 # rows on the left (above) it is an Ampere-style mma of 16 padded rows, its weight operand in registers.
 SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
-# Not candidates until they have been run and timed on a GPU (the chooser checks speed, not results):
-# SPECSERVE_GEMV_SWAP_TILES=1 lets the chooser time them.
-SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "0") == "1"
+# SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch).
+SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
+# Nor are they timed for the forms that fold a norm in: timed alone those won at 2-16 rows, yet on the H200 a
+# 4-row chain verify took 4.59 ms with them against 4.48 with the norms as kernels of their own and swapped tiles
+# elsewhere (benchmarks/verify_gemv_choices.py). The benchmark sets this to keep timing them.
+SWAP_IN_FOLDS = False
 
 
 @triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
@@ -284,7 +287,7 @@ class Choice:
                  ) -> Tile | None:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
         gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
-        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0])}
+        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm)}
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, gamma)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=gamma, eps=1e-5, gate_up=gate_up))
                        for name, tile in tiles.items()}
@@ -309,9 +312,11 @@ def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
     return None if times["cublas"] * CUBLAS_MARGIN < times[best] else tiles[best]
 
 
-def candidate_tiles(rows: int) -> list[Tile]:
-    """The tiles the chooser times for a call of `rows` rows."""
-    return ONE_ROW_TILES if rows == 1 else ROWS_TILES + (SWAP_TILES if SWAP_CANDIDATES else [])
+def candidate_tiles(rows: int, norm: bool = False) -> list[Tile]:
+    """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in)."""
+    if rows == 1:
+        return ONE_ROW_TILES
+    return ROWS_TILES + (SWAP_TILES if SWAP_CANDIDATES and (SWAP_IN_FOLDS or not norm) else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:
