@@ -8,8 +8,7 @@
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
-# candidates: the swapped-operand GEMV tiles and the fused follow kernel (SPECSERVE_GEMV_SWAP_TILES,
-# SPECSERVE_FUSED_FOLLOW), both off against both on (the default).
+# candidates: the path written but off by default (SPECSERVE_NORM_IN_WEIGHTS), off against on.
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
@@ -95,15 +94,14 @@ if want gemv_ab; then
   done
 fi
 if want candidates; then
-  # The swapped-operand GEMV tiles and the fused follow kernel, off and on: the verify
-  # step under each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree).
-  python3 benchmarks/verify_gemv_choices.py --out "$OUT/verify_gemv_swap.json"
+  # The norm weights moved into the projections (SPECSERVE_NORM_IN_WEIGHTS), off and on: the verify step under
+  # each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree).
   for on in 0 1; do
-    SPECSERVE_GEMV_SWAP_TILES=$on SPECSERVE_FUSED_FOLLOW=$on python3 benchmarks/spec_step_parts.py \
-      --out "$OUT/spec_step_parts_candidates$on.json"
-    SPECSERVE_GEMV_SWAP_TILES=$on SPECSERVE_FUSED_FOLLOW=$on python3 benchmarks/spec_off_tax.py \
-      --batch-sizes 1 --setups plain "EAGLE-3 chain 3, simulated tau 3" \
-      "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" --out "$OUT/spec_candidates$on.json"
+    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/verify_gemv_choices.py --out "$OUT/verify_gemv_norm_in_weights$on.json"
+    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_norm_in_weights$on.json"
+    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain \
+      "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
+      --out "$OUT/spec_norm_in_weights$on.json"
   done
 fi
 if want idle; then

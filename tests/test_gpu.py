@@ -619,6 +619,7 @@ def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
     reference = normed @ weight.float().T
     gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
+    moved = (weight.float() * gamma.float()).to(torch.bfloat16)
     for tile in _every_tile(rows):
         folded = triton_gemv.gemv(x, weight, tile, norm_weight=gamma, eps=1e-5)
         torch.testing.assert_close(folded.float(), reference, atol=2e-2, rtol=2e-2)
@@ -627,14 +628,24 @@ def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
         gated = _gate_up_or_none(x, weight, tile, norm_weight=gamma, eps=1e-5)
         if gated is not None:
             torch.testing.assert_close(gated.float(), gated_reference, atol=3e-2, rtol=2e-2)
+        # The norm's weight moved into W (SPECSERVE_NORM_IN_WEIGHTS): the kernel only scales by 1 / rms(x).
+        folded = triton_gemv.gemv(x, moved, tile, eps=1e-5, norm=True)
+        torch.testing.assert_close(folded.float(), reference, atol=2e-2, rtol=2e-2)
+        gated = _gate_up_or_none(x, moved, tile, eps=1e-5, norm=True)
+        if gated is not None:
+            torch.testing.assert_close(gated.float(), gated_reference, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("in_weights", [False, True], ids=["norm-weights-apart", "norm-weights-in-projections"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpoint, monkeypatch, rows):
+def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpoint, monkeypatch, rows, in_weights):
     """A bf16 step of one row (decode) or four (a chain verify of three drafts) through the whole model, with
     norms and adds folded into the GEMVs and with separate norm kernels: each form's hidden states, taps and
-    logits against the same step in fp32."""
+    logits against the same step in fp32. With `in_weights` the bf16 model's norm weights are moved into its
+    projections at load (SPECSERVE_NORM_IN_WEIGHTS), so the folds only scale by the reciprocal RMS."""
     from specserve.layers import linear, triton_gemv
+
+    monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", in_weights)
 
     # A fresh choice that always takes a tile: the tiny shapes may time faster in cuBLAS.
     monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
@@ -643,6 +654,7 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.inference_mode():
         model, step = _prefilled_step(path, "bfloat16", prompt, rows)
+        assert model.layers[0].input_layernorm.in_weights == in_weights
         qkv_proj = model.layers[0].self_attn.qkv_proj
         assert qkv_proj.folds_norm(torch.zeros(rows, model.config.hidden_size, device="cuda",
                                                dtype=torch.bfloat16)), "the tiny model's GEMVs should fold"

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from specserve.config import EngineConfig, ModelConfig
-from specserve.engine.factory import resolve_model, shipped_config
+from specserve.engine.factory import build_engine_core, resolve_model, shipped_config
 from specserve.llm import LLM
 from specserve.models.loader import checkpoint_files
 from specserve.sampling_params import SamplingParams
@@ -57,3 +58,22 @@ def test_no_model_means_the_embedded_smollm2(smollm2_dir):
     assert resolved.weights_dir == smollm2_dir and resolved.tokenizer_dir == smollm2_dir
     assert resolved.name == "SmolLM2-135M-Instruct"
     assert resolved.model_cfg.num_layers == 30 and resolved.model_cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_norm_weights_moved_into_the_projections_keep_greedy_output(tiny_checkpoint, monkeypatch, kind):
+    # On a GPU in bf16 (SPECSERVE_NORM_IN_WEIGHTS=1) the loader multiplies each decoder layer's norm weights
+    # into the projections after them; the same move here, in fp32, must leave the output HF's.
+    from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+
+    from specserve.models import loader
+
+    path = tiny_checkpoint(kind)
+    monkeypatch.setattr(loader, "norms_go_in_weights", lambda device, dtype: True)
+    engine, _ = build_engine_core(_tight_config(str(path), 4096), progress=False)
+    layer = engine.runner.model.layers[0]
+    assert layer.input_layernorm.in_weights and torch.equal(layer.input_layernorm.weight,
+                                                            torch.ones_like(layer.input_layernorm.weight))
+    prompts = _prompts(engine.runner.model.config.vocab_size)
+    outputs, _ = run_staggered(engine, prompts)
+    assert outputs == _hf_greedy(path, prompts)

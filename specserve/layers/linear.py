@@ -25,6 +25,10 @@ from specserve.layers import cpu_kernels, pointwise
 TRITON_GEMV = os.environ.get("SPECSERVE_TRITON_GEMV", "1") != "0"
 # SPECSERVE_FOLD_NORMS=0 keeps a decoder layer's RMSNorms as kernels of their own (an A/B switch).
 FOLD_NORMS = os.environ.get("SPECSERVE_FOLD_NORMS", "1") != "0"
+# SPECSERVE_NORM_IN_WEIGHTS=1: where norms fold (bf16 on a GPU), a decoder layer's RMSNorm weights are multiplied
+# into the projections after them at load (models/loader.py), so a GEMV that folds a norm in leaves its input as
+# loaded and only scales its outputs. Off until timed on a GPU.
+NORM_IN_WEIGHTS = os.environ.get("SPECSERVE_NORM_IN_WEIGHTS", "0") == "1"
 
 
 # From this many rows on (prefill chunks) the weight is read from cache many times over, and MKL's blocked GEMM
@@ -96,8 +100,9 @@ class Linear(nn.Linear):
             out_features = self.out_features // (2 if gate_up else 1)
             rows = x.reshape(-1, x.shape[-1])
             residual = None if add is None else add.reshape(-1, out_features)
-            out = triton_gemv.gemv(rows, self.weight, tile, None if norm is None else norm.weight,
-                                   0.0 if norm is None else norm.eps, residual, gate_up)
+            gamma = None if norm is None or norm.in_weights else norm.weight
+            out = triton_gemv.gemv(rows, self.weight, tile, gamma, 0.0 if norm is None else norm.eps, residual,
+                                   gate_up, norm=norm is not None)
             return out.view(*x.shape[:-1], out_features)
         out = F.linear(x, self.weight, self.bias)
         if gate_up:
@@ -112,6 +117,11 @@ class Linear(nn.Linear):
             self.packed_weight = self.packed_kernel.pack(narrow if torch.equal(narrow.float(), weight) else weight)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, max_batch_hint)
+
+
+def norms_go_in_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model loaded for `device` and `dtype` moves its norms' weights into its projections."""
+    return NORM_IN_WEIGHTS and FOLD_NORMS and TRITON_GEMV and device.type == "cuda" and dtype == torch.bfloat16
 
 
 def can_prepack(model: nn.Module) -> bool:

@@ -62,14 +62,15 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
 # Nor are they timed for the forms that fold a norm in: timed alone those won at 2-16 rows, yet on the H200 a
 # 4-row chain verify took 4.59 ms with them against 4.48 with the norms as kernels of their own and swapped tiles
-# elsewhere (benchmarks/verify_gemv_choices.py). The benchmark sets this to keep timing them.
+# elsewhere (benchmarks/verify_gemv_choices.py). The benchmark sets this to keep timing them. With the norm's
+# weight in the projection's (SPECSERVE_NORM_IN_WEIGHTS=1) a fold leaves x as loaded, and they are timed.
 SWAP_IN_FOLDS = False
 
 
 @triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
 def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
                  ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
-                 NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -98,14 +99,14 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             gdc_launch_dependents()
         gdc_wait()
     acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW,
-                                       SWAP, GATE_UP, NORM)
+                                       SWAP, GATE_UP, NORM, GAMMA_ON)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
             w_up = _load_w(up_rows, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
-                                           ONE_ROW, SWAP, GATE_UP, NORM)
+                                           ONE_ROW, SWAP, GATE_UP, NORM, GAMMA_ON)
     if PDL and not ONE_ROW and LATE_TRIGGER:
         gdc_launch_dependents()
     if ONE_ROW:
@@ -140,8 +141,8 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
 
 @triton.jit
 def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
-                SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr):
-    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, NORM)
+                SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
+    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, NORM, GAMMA_ON)
     acc = _product(acc, w, x, ONE_ROW, SWAP)
     if GATE_UP:
         acc_up = _product(acc_up, w_up, x, ONE_ROW, SWAP)
@@ -149,21 +150,27 @@ def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, 
 
 
 @triton.jit
-def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.constexpr, NORM: tl.constexpr):
+def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.constexpr, NORM: tl.constexpr,
+                GAMMA_ON: tl.constexpr):
     """x at columns k, as the product takes it. With NORM, x is the residual stream before RMSNorm: its squares
-    are summed (the reciprocal RMS scales the outputs at the end) and it is scaled by the norm's weight."""
+    are summed (the reciprocal RMS scales the outputs at the end), and with GAMMA_ON it is scaled by the norm's
+    weight; without, that weight is already in W and x reaches the dot as loaded. At several rows that is what
+    keeps x's loads pipelined into shared memory: scaled, x goes through registers and back, with more
+    registers (sm_90: 150 against 106 for a 64 x 128 tile, 198 against 128 for 32 x 256)."""
     k_ok = k < K
     if ONE_ROW:
         x = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:
             squares += x * x
-            x = x * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)
+            if GAMMA_ON:
+                x = x * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)
     else:
         x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             squares += xf * xf
-            x = (xf * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+            if GAMMA_ON:
+                x = (xf * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
     return x, squares
 
 
@@ -195,11 +202,13 @@ def _silu_times(gate, up):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.Tensor | None = None,
-         eps: float = 0.0, residual: torch.Tensor | None = None, gate_up: bool = False) -> torch.Tensor:
+         eps: float = 0.0, residual: torch.Tensor | None = None, gate_up: bool = False,
+         norm: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32. With
     `gate_up`, the weight is [gate; up] and the result is silu(x @ gate^T) * (x @ up^T), [M, N/2]. With `norm_weight`,
-    RMSNorm(x) (that weight, `eps`) is multiplied instead of x, and `residual` is added to the result:
-    a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
+    RMSNorm(x) (that weight, `eps`) is multiplied instead of x; with `norm` and no `norm_weight`, x / rms(x),
+    for a weight that already holds the norm's (`DecoderLayer.move_norm_weights_into_projections`). `residual`
+    is added to the result: a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
     rows = x.shape[0]
     out_features, width = weight.shape
     if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
@@ -214,7 +223,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         x, weight, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
         out.stride(0), residual.stride(0) if residual is not None else 0, eps, ROWS=MAX_ROWS,
-        ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm_weight is not None,
+        ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm or norm_weight is not None,
+        GAMMA_ON=norm_weight is not None,
         ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
         num_stages=tile.num_stages, LATE_TRIGGER=LATE_TRIGGER, **triton_pdl.launch_options(x))
     return out
@@ -286,10 +296,14 @@ class Choice:
     def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, gate_up: bool, norm: bool
                  ) -> Tile | None:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
+        from specserve.layers.linear import NORM_IN_WEIGHTS
+
         gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
+        folded_gamma = None if NORM_IN_WEIGHTS else gamma  # as the model's calls pass it (layers/linear.py)
         tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm)}
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, gamma)}
-        candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=gamma, eps=1e-5, gate_up=gate_up))
+        candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=folded_gamma, eps=1e-5,
+                                                        gate_up=gate_up, norm=norm))
                        for name, tile in tiles.items()}
         times = {}
         for name, fn in candidates.items():
@@ -314,9 +328,12 @@ def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
 
 def candidate_tiles(rows: int, norm: bool = False) -> list[Tile]:
     """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in)."""
+    from specserve.layers.linear import NORM_IN_WEIGHTS
+
     if rows == 1:
         return ONE_ROW_TILES
-    return ROWS_TILES + (SWAP_TILES if SWAP_CANDIDATES and (SWAP_IN_FOLDS or not norm) else [])
+    swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or NORM_IN_WEIGHTS or not norm)
+    return ROWS_TILES + (SWAP_TILES if swapped else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve.config import ModelConfig
-from specserve.layers.linear import can_prepack, prepack_linears
+from specserve.layers.linear import can_prepack, norms_go_in_weights, prepack_linears
 from specserve.models.registry import model_class
 
 
@@ -38,6 +38,10 @@ def build_model(
     else:
         _load_weights(model, iter_checkpoint(model_dir), progress)
     model.eval().requires_grad_(False)
+    if norms_go_in_weights(device, dtype):
+        for module in model.modules():
+            if hasattr(module, "move_norm_weights_into_projections"):
+                module.move_norm_weights_into_projections()
     if can_prepack(model):
         prepack_linears(model)
     return model
