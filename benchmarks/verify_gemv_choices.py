@@ -1,7 +1,8 @@
 """A batch-1 chain verify step (Llama-3.1-8B shape, random bf16 weights, 4 rows: root + 3 drafts) under other
-GEMV choices for its 4-row shapes: as chosen, with the swapped-operand tiles also in the forms that fold a
-norm in (timed here, not in serving), without the swapped tiles, with the norms as kernels of their own, and
-with cuBLAS throughout.
+GEMV choices for its 4-row shapes: as chosen, with the swapped-operand tiles also in the forms that scale x by
+a folded norm's weight (timed here, not in serving), without the swapped tiles, with the norms as kernels of
+their own, and with cuBLAS throughout. With SPECSERVE_NORM_IN_WEIGHTS=1 the folds leave x as loaded, serving
+times the swapped tiles for them too, and the first two variants are the same.
 
 The chooser (layers/triton_gemv.py) times each shape alone, in a CUDA graph of copies of one kernel. This
 replays the whole verify graph instead, recaptured for each variant: how a choice plays out among the
@@ -38,7 +39,7 @@ def four_row_forms(timings: dict) -> list[dict]:
     operand and the best with the weight there (swapped)."""
     swapped = {str(tile) for tile in triton_gemv.SWAP_TILES}
     rows = []
-    for (shape, _, rows_bucket, gate_up, norm), times in timings.items():
+    for (shape, _, rows_bucket, gate_up, norm, _gamma), times in timings.items():
         if rows_bucket == ROWS:
             best = {form: min((t for n, t in times.items() if n != "cublas" and (n in swapped) == swap), default=None)
                     for form, swap in (("rows_left", False), ("swapped", True))}
@@ -48,11 +49,11 @@ def four_row_forms(timings: dict) -> list[dict]:
 
 
 def variants(chosen: dict, timings: dict) -> dict[str, dict]:
-    """Each variant's decisions for the 4-row keys (shape, dtype, rows, gate_up, norm); a folded key set to
-    None sends its layer's norm to a kernel of its own."""
+    """Each variant's decisions for the 4-row keys (shape, dtype, rows, gate_up, norm, gamma in the kernel);
+    a folded key set to None sends its layer's norm to a kernel of its own."""
     four = [key for key in chosen if key[2] == ROWS]
     return {
-        "as chosen": {key: best_of(timings[key], lambda t: not t.swap) for key in four if key[4]},
+        "as chosen": {key: best_of(timings[key], lambda t: not t.swap) for key in four if key[5]},
         "swapped tiles in the norm folds too": {},
         "without the swapped tiles": {key: best_of(timings[key], lambda t: not t.swap) for key in four},
         "norms unfolded": {key: None for key in four if key[4]},

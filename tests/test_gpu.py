@@ -583,7 +583,7 @@ def test_triton_gemv_matches_cublas(rows, shape):
 
 
 def _every_tile(rows: int):
-    """Every tile the kernel takes for `rows`, candidates of the chooser or not (the swapped ones are not yet)."""
+    """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not."""
     from specserve.layers import triton_gemv
 
     return triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
@@ -646,7 +646,6 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     from specserve.layers import linear, triton_gemv
 
     monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", in_weights)
-
     # A fresh choice that always takes a tile: the tiny shapes may time faster in cuBLAS.
     monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
     monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
@@ -654,18 +653,29 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.inference_mode():
         model, step = _prefilled_step(path, "bfloat16", prompt, rows)
-        assert model.layers[0].input_layernorm.in_weights == in_weights
         qkv_proj = model.layers[0].self_attn.qkv_proj
+        assert qkv_proj.norm_in_weight == in_weights
         assert qkv_proj.folds_norm(torch.zeros(rows, model.config.hidden_size, device="cuda",
                                                dtype=torch.bfloat16)), "the tiny model's GEMVs should fold"
+        gemv, fold_gammas = triton_gemv.gemv, []
+
+        def recording_gemv(x, weight, tile, norm_weight=None, *args, **kwargs):
+            if kwargs.get("norm"):
+                fold_gammas.append(norm_weight)
+            return gemv(x, weight, tile, norm_weight, *args, **kwargs)
+
+        monkeypatch.setattr(triton_gemv, "gemv", recording_gemv)
         folded = step()
+        # Moved, the folds scale by 1 / rms(x) alone; apart, they take the norm's weight.
+        assert fold_gammas and all((gamma is None) == in_weights for gamma in fold_gammas)
         monkeypatch.setattr(linear, "FOLD_NORMS", False)
         unfolded = step()
         exact = _prefilled_step(path, "float32", prompt, rows)[1]()
     # Both bf16 forms carry the rounding of bf16 weights and activations, which grows through the layers (the
     # residual stream reaches |60| here, where one bf16 step is 0.25), and they round in different places (the
     # fold rounds the normed input and the o_proj/down outputs to bf16 once less; at several rows it rounds
-    # the input times the norm's weight before the reciprocal RMS), so neither equals the other or fp32: on
+    # the input times the norm's weight before the reciprocal RMS; with that weight moved into the projection,
+    # the projection's weight is rounded once more instead), so neither equals the other or fp32: on
     # the H200 the folded 4-row step's first tap was off by 1.69 at most, the unfolded one's by 0.76. So each
     # tensor's error is measured as a whole, |a - ref| / |ref|, and held to 10 %. Measured on a CPU with this
     # checkpoint and prompt (PyTorch's bf16 path): 1-2 % at one row and at four; with one layer's norm weight
@@ -720,7 +730,8 @@ def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
             x = torch.zeros(16, linear.in_features, device="cuda", dtype=torch.bfloat16)
             for rows in triton_gemv.ROW_BUCKETS:
                 for norm in (False, True) if linear.takes_norm and linear_module.FOLD_NORMS else (False,):
-                    key = triton_gemv.choice.key(x[:rows], linear.weight, linear.gated, norm)
+                    key = triton_gemv.choice.key(x[:rows], linear.weight, linear.gated, norm,
+                                                 gamma=not linear.norm_in_weight)
                     assert key in triton_gemv.choice.best, name
     timed = []
     monkeypatch.setattr(triton_gemv.choice, "best", {})  # every shape undecided again

@@ -60,7 +60,7 @@ def test_no_model_means_the_embedded_smollm2(smollm2_dir):
     assert resolved.model_cfg.num_layers == 30 and resolved.model_cfg.tie_word_embeddings
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "qwen3"])
 def test_norm_weights_moved_into_the_projections_keep_greedy_output(tiny_checkpoint, monkeypatch, kind):
     # On a GPU in bf16 (SPECSERVE_NORM_IN_WEIGHTS=1) the loader multiplies each decoder layer's norm weights
     # into the projections after them; the same move here, in fp32, must leave the output HF's.
@@ -72,8 +72,9 @@ def test_norm_weights_moved_into_the_projections_keep_greedy_output(tiny_checkpo
     monkeypatch.setattr(loader, "norms_go_in_weights", lambda device, dtype: True)
     engine, _ = build_engine_core(_tight_config(str(path), 4096), progress=False)
     layer = engine.runner.model.layers[0]
-    assert layer.input_layernorm.in_weights and torch.equal(layer.input_layernorm.weight,
-                                                            torch.ones_like(layer.input_layernorm.weight))
+    qkv = layer.self_attn.qkv_proj
+    assert layer.mlp.gate_up_proj.norm_in_weight and qkv.norm_in_weight == (qkv.bias is None)
+    assert torch.equal(layer.post_attention_layernorm.weight, torch.ones_like(layer.post_attention_layernorm.weight))
     prompts = _prompts(engine.runner.model.config.vocab_size)
     outputs, _ = run_staggered(engine, prompts)
     assert outputs == _hf_greedy(path, prompts)

@@ -42,6 +42,7 @@ class Linear(nn.Linear):
     # How the model calls it, so the GEMV choice can be made for those forms at startup (triton_gemv.decide_all):
     gated = False  # through `forward_gated`: an MLP's [gate; up] projection
     takes_norm = False  # with an RMSNorm to fold in, where the layer folds
+    norm_in_weight = False  # that norm's weight is multiplied into this weight (DecoderLayer, at load)
 
     def forward(self, x: torch.Tensor, norm=None, add: torch.Tensor | None = None) -> torch.Tensor:
         """self(norm(x)) + add, with `norm` an RMSNorm and `add` the residual stream, each optional. Where the
@@ -83,11 +84,13 @@ class Linear(nn.Linear):
             return None
         from specserve.layers import triton_gemv
 
-        return triton_gemv.choice.tile(rows, self.weight, gate_up, norm) if x.dtype in triton_gemv.DTYPES else None
+        if x.dtype not in triton_gemv.DTYPES:
+            return None
+        return triton_gemv.choice.tile(rows, self.weight, gate_up, norm, gamma=not self.norm_in_weight)
 
     def _forward_gpu(self, x: torch.Tensor, gate_up: bool = False, norm=None, add=None) -> torch.Tensor:
-        # Folds are bf16 only: they scale x by the norm's weight before the reciprocal RMS, where fp16 could
-        # overflow.
+        # Folds are bf16 only: unless that weight is in this one, they scale x by the norm's weight before the
+        # reciprocal RMS, where fp16 could overflow.
         folds = norm is not None and x.dtype == torch.bfloat16 and FOLD_NORMS
         tile = self.gemv_tile(x, gate_up, norm=True) if folds else None
         if tile is None:  # no fold (or cuBLAS won against it): the norm apart, then the best form
@@ -100,7 +103,7 @@ class Linear(nn.Linear):
             out_features = self.out_features // (2 if gate_up else 1)
             rows = x.reshape(-1, x.shape[-1])
             residual = None if add is None else add.reshape(-1, out_features)
-            gamma = None if norm is None or norm.in_weights else norm.weight
+            gamma = None if norm is None or self.norm_in_weight else norm.weight
             out = triton_gemv.gemv(rows, self.weight, tile, gamma, 0.0 if norm is None else norm.eps, residual,
                                    gate_up, norm=norm is not None)
             return out.view(*x.shape[:-1], out_features)

@@ -6,8 +6,6 @@ from specserve.layers import pointwise
 
 
 class RMSNorm(torch.nn.Module):
-    in_weights = False  # its weight was multiplied into the projection after it, and is now ones
-
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))

@@ -60,10 +60,11 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
-# Nor are they timed for the forms that fold a norm in: timed alone those won at 2-16 rows, yet on the H200 a
-# 4-row chain verify took 4.59 ms with them against 4.48 with the norms as kernels of their own and swapped tiles
-# elsewhere (benchmarks/verify_gemv_choices.py). The benchmark sets this to keep timing them. With the norm's
-# weight in the projection's (SPECSERVE_NORM_IN_WEIGHTS=1) a fold leaves x as loaded, and they are timed.
+# They are not timed for forms that scale x by a folded norm's weight: timed alone those won at 2-16 rows, yet on
+# the H200 a 4-row chain verify took 4.55 ms with them against 4.44 with those norms as kernels of their own
+# and swapped tiles elsewhere (benchmarks/verify_gemv_choices.py; the tree's 16-row verify took 5.22 ms either
+# way). The benchmark sets this to keep timing them. Folds whose norm weight is in the projection's
+# (SPECSERVE_NORM_IN_WEIGHTS=1) leave x as loaded, and they are timed there.
 SWAP_IN_FOLDS = False
 
 
@@ -273,36 +274,37 @@ class Choice:
             self._timing_allowed = allowed
 
     @staticmethod
-    def key(x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False) -> tuple:
+    def key(x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False,
+            gamma: bool = True) -> tuple:
+        """`gamma`: a folded norm's weight is applied in the kernel (False: it is in `weight` already)."""
         rows = next(b for b in ROW_BUCKETS if x.shape[0] <= b)
-        return tuple(weight.shape), weight.dtype, rows, gate_up, norm
+        return tuple(weight.shape), weight.dtype, rows, gate_up, norm, norm and gamma
 
-    def tile(self, x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False
-             ) -> Tile | None:
-        key = self.key(x, weight, gate_up, norm)
+    def tile(self, x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False,
+             gamma: bool = True) -> Tile | None:
+        key = self.key(x, weight, gate_up, norm, gamma)
         if key not in self.best:
             if torch.cuda.is_current_stream_capturing() or not self._timing_allowed:
                 return None
-            self.best[key] = self._measure(key, x, weight, gate_up, norm)
+            self.best[key] = self._measure(key, x, weight, gate_up, norm, key[-1])
         return self.best[key]
 
     def report(self) -> list[dict]:
         """Each timed call form: what was chosen, cuBLAS's time and the best tile's, in microseconds."""
-        return [{"weight": list(shape), "rows": rows, "gate_up": gate_up, "norm": norm,
-                 "chosen": str(self.best[shape, dtype, rows, gate_up, norm]), "cublas_us": round(t["cublas"], 2),
+        return [{"weight": list(shape), "rows": rows, "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
+                 "chosen": str(self.best[shape, dtype, rows, gate_up, norm, gamma]),
+                 "cublas_us": round(t["cublas"], 2),
                  "best_tile_us": round(min((v for n, v in t.items() if n != "cublas"), default=float("nan")), 2)}
-                for (shape, dtype, rows, gate_up, norm), t in self.timings.items()]
+                for (shape, dtype, rows, gate_up, norm, gamma), t in self.timings.items()]
 
-    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, gate_up: bool, norm: bool
-                 ) -> Tile | None:
+    def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, gate_up: bool, norm: bool,
+                 gamma: bool) -> Tile | None:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
-        from specserve.layers.linear import NORM_IN_WEIGHTS
-
-        gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
-        folded_gamma = None if NORM_IN_WEIGHTS else gamma  # as the model's calls pass it (layers/linear.py)
-        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm)}
-        candidates = {"cublas": lambda w: _cublas(x, w, gate_up, gamma)}
-        candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=folded_gamma, eps=1e-5,
+        ones = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
+        in_kernel = ones if gamma else None
+        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma)}
+        candidates = {"cublas": lambda w: _cublas(x, w, gate_up, ones)}
+        candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=in_kernel, eps=1e-5,
                                                         gate_up=gate_up, norm=norm))
                        for name, tile in tiles.items()}
         times = {}
@@ -326,13 +328,12 @@ def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
     return None if times["cublas"] * CUBLAS_MARGIN < times[best] else tiles[best]
 
 
-def candidate_tiles(rows: int, norm: bool = False) -> list[Tile]:
-    """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in)."""
-    from specserve.layers.linear import NORM_IN_WEIGHTS
-
+def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True) -> list[Tile]:
+    """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in; `gamma`: its
+    weight applied in the kernel)."""
     if rows == 1:
         return ONE_ROW_TILES
-    swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or NORM_IN_WEIGHTS or not norm)
+    swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
     return ROWS_TILES + (SWAP_TILES if swapped else [])
 
 
@@ -354,7 +355,7 @@ def decide_all(module: torch.nn.Module) -> None:
         for rows in ROW_BUCKETS:
             x = torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
             for norm in (False, True) if folds else (False,):
-                choice.tile(x, linear.weight, linear.gated, norm)
+                choice.tile(x, linear.weight, linear.gated, norm, gamma=not linear.norm_in_weight)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -101,12 +101,14 @@ class DecoderLayer(nn.Module):
     def move_norm_weights_into_projections(self) -> None:
         """RMSNorm(x) W^T = (x / rms(x)) (W diag(g))^T: each norm's weight g goes into the projection after it
         (rounded once, to the weight's dtype), and the norm keeps ones. Where a GEMV folds the norm in, it then
-        only scales its output rows (layers/triton_gemv.py)."""
+        only scales its output rows (layers/triton_gemv.py). Projections with a bias never take the GEMV, so
+        theirs stay."""
         for norm, proj in ((self.input_layernorm, self.self_attn.qkv_proj),
                            (self.post_attention_layernorm, self.mlp.gate_up_proj)):
-            proj.weight.copy_(proj.weight.float() * norm.weight.float())
-            norm.weight.fill_(1.0)
-            norm.in_weights = True
+            if proj.bias is None:
+                proj.weight.copy_(proj.weight.float() * norm.weight.float())
+                norm.weight.fill_(1.0)
+                proj.norm_in_weight = True
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,76 @@
+"""The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
+(plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up), at 1, 3 and
+16 rows, rows-left and swapped tiles, even and uneven shapes. For checking kernel changes on a machine without
+a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs `pip install triton` (its CPU wheel runs the
+interpreter). fp16: the interpreter's bf16 dot is wrong.
+
+    python benchmarks/gemv_interpreter_check.py --out benchmarks/results/gemv_interpreter_check_cpu.json
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+import argparse
+import builtins
+import json
+
+import torch
+
+from specserve.layers import triton_gemv, triton_pdl
+
+TOLERANCE = 1e-2  # fp16 inputs and outputs (a step of 0.004 at 4-8), fp32 accumulation, outputs up to ~15
+
+
+def interpreter_range(*bounds):
+    """The kernel's main loop bounds arrive as interpreter tensors; the builtin range wants ints."""
+    return builtins.range(*(int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(b) for b in bounds))
+
+
+def forms(x, weight, gamma, residual, tile):
+    """Each form's output and its fp32 reference."""
+    xf, wf = x.float(), weight.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
+    moved = (wf * gamma.float()).to(weight.dtype)
+    yield "plain", triton_gemv.gemv(x, weight, tile), xf @ wf.T
+    yield "add", triton_gemv.gemv(x, weight, tile, residual=residual), xf @ wf.T + residual.float()
+    yield "norm, weight in kernel", triton_gemv.gemv(x, weight, tile, gamma, 1e-5), normed @ wf.T
+    yield "norm, weight moved", triton_gemv.gemv(x, moved, tile, eps=1e-5, norm=True), normed @ wf.T
+    if weight.shape[0] % 2 == 0:
+        gate, up = (normed @ wf.T).to(x.dtype).float().chunk(2, dim=-1)
+        yield ("gate/up, norm moved", triton_gemv.gemv(x, moved, tile, eps=1e-5, gate_up=True, norm=True),
+               torch.nn.functional.silu(gate) * up)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    triton_gemv.range = interpreter_range
+    triton_pdl.launch_options = lambda tensor: {"PDL": False}  # no programmatic dependent launch on a CPU
+    torch.manual_seed(0)
+    results = []
+    for rows in (1, 3, 16):
+        tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
+            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3]]
+        for out_features, width in ((96, 64), (100, 40)):
+            weight = (torch.randn(out_features, width) / width**0.5).half()
+            x = (torch.randn(rows, width) * 5).half()
+            gamma = (torch.rand(width) + 0.5).half()
+            residual = torch.randn(rows, out_features).half()
+            for tile in tiles:
+                for form, out, reference in forms(x, weight, gamma, residual, tile):
+                    error = (out.float() - reference).abs().max().item()
+                    results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile), "form": form,
+                                    "max_abs_error": round(error, 5), "ok": error <= TOLERANCE})
+                    print(results[-1], flush=True)
+    report = {"check": "gemv_interpreter", "dtype": "float16", "tolerance": TOLERANCE,
+              "all_ok": all(r["ok"] for r in results), "results": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("all ok" if report["all_ok"] else "FAILED", flush=True)
+
+
+if __name__ == "__main__":
+    main()
