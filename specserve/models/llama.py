@@ -96,7 +96,6 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-
     @torch.no_grad()
     def move_norm_weights_into_projections(self) -> None:
         """RMSNorm(x) W^T = (x / rms(x)) (W diag(g))^T: each norm's weight g goes into the projection after it

@@ -39,12 +39,17 @@ def build_model(
         _load_weights(model, iter_checkpoint(model_dir), progress)
     model.eval().requires_grad_(False)
     if norms_go_in_weights(device, dtype):
-        for module in model.modules():
-            if hasattr(module, "move_norm_weights_into_projections"):
-                module.move_norm_weights_into_projections()
+        _move_norm_weights(model)
     if can_prepack(model):
         prepack_linears(model)
     return model
+
+
+def _move_norm_weights(model: torch.nn.Module) -> None:
+    """Each decoder layer's norm weights into the projections after them (models/llama.py)."""
+    for module in model.modules():
+        if hasattr(module, "move_norm_weights_into_projections"):
+            module.move_norm_weights_into_projections()
 
 
 RANDOM_STD = 0.02  # of random (dummy) weights
