@@ -78,3 +78,16 @@ def test_norm_weights_moved_into_the_projections_keep_greedy_output(tiny_checkpo
     prompts = _prompts(engine.runner.model.config.vocab_size)
     outputs, _ = run_staggered(engine, prompts)
     assert outputs == _hf_greedy(path, prompts)
+
+
+def test_norm_weights_move_only_for_bf16_on_a_gpu_and_only_when_asked(monkeypatch):
+    from specserve.layers import linear
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not linear.norms_go_in_weights(cuda, torch.bfloat16)  # off by default
+    monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", True)
+    assert linear.norms_go_in_weights(cuda, torch.bfloat16)
+    assert not linear.norms_go_in_weights(cpu, torch.bfloat16)
+    assert not linear.norms_go_in_weights(cuda, torch.float32)  # the folds, and so the move, are bf16 only
+    monkeypatch.setattr(linear, "FOLD_NORMS", False)
+    assert not linear.norms_go_in_weights(cuda, torch.bfloat16)
