@@ -558,9 +558,10 @@ def test_fused_norm_and_rotary_store_match_the_eager_math(dtype):
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (4096, 4096), (1000, 200)])
-def test_triton_gemv_matches_cublas(rows, shape):
+def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
     """Every tile shape the chooser may pick, plain and in the gate/up form (SiLU-and-multiply applied to the
-    two halves' outputs before they are stored), on shapes that divide the tiles and shapes that do not."""
+    two halves' outputs before they are stored), on shapes that divide the tiles and shapes that do not; and
+    with several-row kernels letting the next launch halfway through their loop (SPECSERVE_GEMV_TRIGGER_AT)."""
     from specserve.layers import triton_gemv, triton_pointwise
 
     torch.manual_seed(rows)
@@ -577,6 +578,10 @@ def test_triton_gemv_matches_cublas(rows, shape):
             torch.testing.assert_close(gated.float(), gated_reference, atol=2e-2, rtol=2e-2)
             gated_tiles += 1
     assert gated_tiles >= 5
+    monkeypatch.setattr(triton_gemv, "TRIGGER_AT", 0.5)
+    for tile in _every_tile(rows):  # where the trigger falls is a value: no new compiles
+        torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
+    monkeypatch.undo()
     tile = triton_gemv.choice.tile(x, weight)
     assert tile is None or isinstance(tile, triton_gemv.Tile)
     assert "cublas" in triton_gemv.choice.timings[triton_gemv.choice.key(x, weight)]

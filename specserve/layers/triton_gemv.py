@@ -15,6 +15,7 @@ none of it is served from L2 (decode reads each weight once a step).
 """
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the do
 # with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up one ran 20-100 us slower
 # in an 8B verify step than alone (benchmarks/verify_gemv_choices.py). SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
 LATE_TRIGGER = os.environ.get("SPECSERVE_GEMV_LATE_TRIGGER", "1") != "0"
+# Where in the main loop they trigger, as the fraction of it done (1: after it). Alone, each 2-16-row tile of an
+# 8B shape takes ~2 us more than the one-row form, which triggers at its start; a trigger near the loop's end
+# might win back part of that overlap without the crowding. Not yet timed on a GPU: 1 keeps the measured form.
+TRIGGER_AT = float(os.environ.get("SPECSERVE_GEMV_TRIGGER_AT", "1.0"))
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,9 @@ SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
 SWAP_IN_FOLDS = False
 
 
-@triton.jit(do_not_specialize=["M"])  # eager calls take any row count: one form for one row, one for several
-def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
+# Eager calls take any row count (one form for one row, one for several); where the trigger falls is a value.
+@triton.jit(do_not_specialize=["M", "trigger_k"])
+def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
                  ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
                  NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
@@ -108,8 +114,12 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             w_up = _load_w(up_rows, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
                                            ONE_ROW, SWAP, GATE_UP, NORM, GAMMA_ON)
+        if PDL and not ONE_ROW and LATE_TRIGGER:
+            if k0 == trigger_k:  # (compiled for sm_90, the loop's loads stay pipelined with this inside it)
+                gdc_launch_dependents()
     if PDL and not ONE_ROW and LATE_TRIGGER:
-        gdc_launch_dependents()
+        if trigger_k >= K:
+            gdc_launch_dependents()
     if ONE_ROW:
         out = tl.sum(acc, 1)
         if NORM:
@@ -223,12 +233,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
         x, weight, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
-        out.stride(0), residual.stride(0) if residual is not None else 0, eps, ROWS=MAX_ROWS,
+        out.stride(0), residual.stride(0) if residual is not None else 0, eps,
+        _trigger_column(width, tile.block_k, TRIGGER_AT), ROWS=MAX_ROWS,
         ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm or norm_weight is not None,
         GAMMA_ON=norm_weight is not None,
         ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
         num_stages=tile.num_stages, LATE_TRIGGER=LATE_TRIGGER, **triton_pdl.launch_options(x))
     return out
+
+
+def _trigger_column(width: int, block_k: int, fraction: float) -> int:
+    """The main loop's column k0 after whose step a several-row kernel triggers its dependents, `fraction` of
+    its steps done (the step before the loop, at column 0, counts as the first); `width` (no loop step has it):
+    after the loop."""
+    steps = triton.cdiv(width, block_k)
+    done = min(steps, max(2, math.ceil(fraction * steps)))
+    return width if done == steps else (done - 1) * block_k
 
 
 def _cublas(x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False,
