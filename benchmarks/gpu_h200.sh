@@ -97,7 +97,8 @@ if want candidates; then
   # The norm weights moved into the projections (SPECSERVE_NORM_IN_WEIGHTS), off and on: the verify step under
   # each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree).
   for on in 0 1; do
-    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/verify_gemv_choices.py --out "$OUT/verify_gemv_norm_in_weights$on.json"
+    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/verify_gemv_choices.py --descend 3 \
+      --out "$OUT/verify_gemv_norm_in_weights$on.json"
     SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_norm_in_weights$on.json"
     SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain \
       "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \

@@ -6,7 +6,9 @@ times the swapped tiles for them too, and the first two variants are the same.
 
 The chooser (layers/triton_gemv.py) times each shape alone, in a CUDA graph of copies of one kernel. This
 replays the whole verify graph instead, recaptured for each variant: how a choice plays out among the
-kernels around it is what a step pays.
+kernels around it is what a step pays. With --descend N it then chooses each 4-row key by the verify's own
+time, among the key's N fastest tiles alone and cuBLAS, one key after another (written for finding where the
+chooser's isolated timings mislead; not yet run on a GPU).
 
     python benchmarks/verify_gemv_choices.py --out benchmarks/results/verify_gemv_choices_h200.json
 """
@@ -61,10 +63,32 @@ def variants(chosen: dict, timings: dict) -> dict[str, dict]:
     }
 
 
+def label(key: tuple) -> str:
+    return f"{list(key[0])}{' gate_up' if key[3] else ''}{' +norm' if key[4] else ''}"
+
+
+def descend(verify_ms, chosen: dict, timings: dict, tries: int) -> tuple[dict, list[dict]]:
+    """Choice by timing the step itself: from `chosen`, each 4-row key in turn takes whichever of its `tries`
+    fastest tiles alone, or cuBLAS, makes `verify_ms(decisions)` least, the keys after it seeing that pick."""
+    decisions, steps = dict(chosen), []
+    for key in [key for key in chosen if key[2] == ROWS]:
+        fastest = sorted((t, name) for name, t in timings[key].items() if name != "cublas")[:tries]
+        tiles = {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS, norm=False)}
+        options = {"cublas": None} | {name: tiles[name] for _, name in fastest if name in tiles}
+        times = {name: verify_ms(decisions | {key: tile}) for name, tile in options.items()}
+        decisions[key] = options[min(times, key=times.get)]
+        steps.append({"key": label(key), "was": str(chosen[key]), "kept": str(decisions[key]),
+                      "verify_ms": {name: round(t, 4) for name, t in times.items()}})
+        print(steps[-1], flush=True)
+    return decisions, steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--descend", type=int, default=0, metavar="TRIES",
+                   help="then choose each 4-row key by the verify's own time among its TRIES fastest tiles and cuBLAS")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     triton_gemv.SWAP_CANDIDATES = triton_gemv.SWAP_IN_FOLDS = True
@@ -77,19 +101,30 @@ def main() -> None:
         metas = program._metas(1, n)
         _, drafts = graphed(lambda: program._draft(1, metas))
         plain_ms = cuda_ms(plain_step(engine.runner, args.context, BASE.cache.page_size), args.repeats)
-        for name, change in variants(chosen, triton_gemv.choice.timings).items():
-            triton_gemv.choice.best = chosen | change
+
+        def verify_ms(decisions: dict) -> float:
+            triton_gemv.choice.best = decisions
             verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
-            ms = cuda_ms(verify, args.repeats)
+            return cuda_ms(verify, args.repeats)
+
+        for name, change in variants(chosen, triton_gemv.choice.timings).items():
+            ms = verify_ms(chosen | change)
             results.append({"variant": name, "verify_ms": round(ms, 4),
                             "verify_minus_plain_ms": round(ms - plain_ms, 4),
-                            "decisions": {f"{list(k[0])}{' gate_up' if k[3] else ''}{' +norm' if k[4] else ''}": str(v)
-                                          for k, v in (chosen | change).items() if k[2] == ROWS}})
+                            "decisions": {label(k): str(v) for k, v in (chosen | change).items() if k[2] == ROWS}})
+            print(results[-1], flush=True)
+        descent = []
+        if args.descend:
+            decisions, descent = descend(verify_ms, chosen, triton_gemv.choice.timings, args.descend)
+            ms = verify_ms(decisions)
+            results.append({"variant": "chosen by the verify's own time", "verify_ms": round(ms, 4),
+                            "verify_minus_plain_ms": round(ms - plain_ms, 4),
+                            "decisions": {label(k): str(v) for k, v in decisions.items() if k[2] == ROWS}})
             print(results[-1], flush=True)
     triton_gemv.choice.best = chosen
     report = {"benchmark": "verify_gemv_choices", "hardware": hardware_info(), "plain_decode_ms": round(plain_ms, 4),
               "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head", "rows": ROWS},
-              "results": results, "four_row_forms_us": four_row_forms(triton_gemv.choice.timings)}
+              "results": results, "descent": descent, "four_row_forms_us": four_row_forms(triton_gemv.choice.timings)}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
