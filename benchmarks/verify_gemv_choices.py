@@ -41,12 +41,12 @@ def four_row_forms(timings: dict) -> list[dict]:
     operand and the best with the weight there (swapped)."""
     swapped = {str(tile) for tile in triton_gemv.SWAP_TILES}
     rows = []
-    for (shape, _, rows_bucket, gate_up, norm, _gamma), times in timings.items():
+    for (shape, _, rows_bucket, gate_up, norm, gamma), times in timings.items():
         if rows_bucket == ROWS:
             best = {form: min((t for n, t in times.items() if n != "cublas" and (n in swapped) == swap), default=None)
                     for form, swap in (("rows_left", False), ("swapped", True))}
-            rows.append({"weight": list(shape), "gate_up": gate_up, "norm": norm, "cublas": round(times["cublas"], 2),
-                         **{form: t and round(t, 2) for form, t in best.items()}})
+            rows.append({"weight": list(shape), "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
+                         "cublas": round(times["cublas"], 2), **{form: t and round(t, 2) for form, t in best.items()}})
     return rows
 
 
@@ -64,21 +64,29 @@ def variants(chosen: dict, timings: dict) -> dict[str, dict]:
 
 
 def label(key: tuple) -> str:
-    return f"{list(key[0])}{' gate_up' if key[3] else ''}{' +norm' if key[4] else ''}"
+    norm = (" +norm" if key[5] else " +norm (weight in W)") if key[4] else ""
+    return f"{list(key[0])}{' gate_up' if key[3] else ''}{norm}"
 
 
-def descend(verify_ms, chosen: dict, timings: dict, tries: int) -> tuple[dict, list[dict]]:
-    """Choice by timing the step itself: from `chosen`, each 4-row key in turn takes whichever of its `tries`
-    fastest tiles alone, or cuBLAS, makes `verify_ms(decisions)` least, the keys after it seeing that pick."""
-    decisions, steps = dict(chosen), []
-    for key in [key for key in chosen if key[2] == ROWS]:
-        fastest = sorted((t, name) for name, t in timings[key].items() if name != "cublas")[:tries]
-        tiles = {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS, norm=False)}
-        options = {"cublas": None} | {name: tiles[name] for _, name in fastest if name in tiles}
-        times = {name: verify_ms(decisions | {key: tile}) for name, tile in options.items()}
-        decisions[key] = options[min(times, key=times.get)]
-        steps.append({"key": label(key), "was": str(chosen[key]), "kept": str(decisions[key]),
-                      "verify_ms": {name: round(t, 4) for name, t in times.items()}})
+def descend(verify, start: dict, timings: dict, tries: int) -> tuple[dict, list[dict]]:
+    """Choice by timing the step itself: from `start`, each 4-row key the verify graph looks up takes, in turn,
+    whichever of its `tries` fastest tiles alone (those serving may choose) or cuBLAS makes the verify
+    fastest, the keys after it seeing that pick. `verify(decisions)` gives (ms, keys looked up); a pick that
+    switches a layer's norms between folded and apart changes those keys, and any new ones are visited too."""
+    decisions, steps, visited = dict(start), [], set()
+    _, used = verify(decisions)
+    while todo := [key for key in start if key in used and key[2] == ROWS and key not in visited]:
+        key = todo[0]
+        visited.add(key)
+        allowed = {str(tile): tile for tile in triton_gemv.candidate_tiles(ROWS, key[4], key[5])
+                   if not (tile.swap and key[5])}  # serving's rule, whatever SWAP_IN_FOLDS says here
+        fastest = sorted((t, name) for name, t in timings[key].items() if name in allowed)[:tries]
+        options = {"cublas": None} | {name: allowed[name] for _, name in fastest}
+        times = {name: verify(decisions | {key: tile}) for name, tile in options.items()}
+        decisions[key] = options[min(times, key=lambda name: times[name][0])]
+        used = times[str(decisions[key]) if decisions[key] is not None else "cublas"][1]
+        steps.append({"key": label(key), "was": str(start[key]), "kept": str(decisions[key]),
+                      "verify_ms": {name: round(ms, 4) for name, (ms, _) in times.items()}})
         print(steps[-1], flush=True)
     return decisions, steps
 
@@ -103,9 +111,22 @@ def main() -> None:
         plain_ms = cuda_ms(plain_step(engine.runner, args.context, BASE.cache.page_size), args.repeats)
 
         def verify_ms(decisions: dict) -> float:
-            triton_gemv.choice.best = decisions
-            verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
-            return cuda_ms(verify, args.repeats)
+            return verify_with_keys(decisions)[0]
+
+        def verify_with_keys(decisions: dict) -> tuple[float, set]:
+            """The verify's time under `decisions`, and the chooser keys its capture looked up."""
+            triton_gemv.choice.best, looked_up, lookup = decisions, set(), triton_gemv.choice.tile
+
+            def recording(x, weight, gate_up=False, norm=False, gamma=True):
+                looked_up.add(triton_gemv.choice.key(x, weight, gate_up, norm, gamma))
+                return lookup(x, weight, gate_up, norm, gamma)
+
+            triton_gemv.choice.tile = recording  # shadows the method for this capture
+            try:
+                verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
+            finally:
+                del triton_gemv.choice.tile
+            return cuda_ms(verify, args.repeats), looked_up
 
         for name, change in variants(chosen, triton_gemv.choice.timings).items():
             ms = verify_ms(chosen | change)
@@ -115,7 +136,8 @@ def main() -> None:
             print(results[-1], flush=True)
         descent = []
         if args.descend:
-            decisions, descent = descend(verify_ms, chosen, triton_gemv.choice.timings, args.descend)
+            start = chosen | variants(chosen, triton_gemv.choice.timings)["as chosen"]
+            decisions, descent = descend(verify_with_keys, start, triton_gemv.choice.timings, args.descend)
             ms = verify_ms(decisions)
             results.append({"variant": "chosen by the verify's own time", "verify_ms": round(ms, 4),
                             "verify_minus_plain_ms": round(ms - plain_ms, 4),

@@ -578,10 +578,11 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
             torch.testing.assert_close(gated.float(), gated_reference, atol=2e-2, rtol=2e-2)
             gated_tiles += 1
     assert gated_tiles >= 5
-    monkeypatch.setattr(triton_gemv, "TRIGGER_AT", 0.5)
-    for tile in _every_tile(rows):  # where the trigger falls is a value: no new compiles
-        torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
-    monkeypatch.undo()
+    if rows > 1:  # results only: they cannot show where the trigger fell (tests/test_triton_host.py does)
+        monkeypatch.setattr(triton_gemv, "TRIGGER_AT", 0.5)
+        for tile in _every_tile(rows):
+            torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
+        monkeypatch.undo()
     tile = triton_gemv.choice.tile(x, weight)
     assert tile is None or isinstance(tile, triton_gemv.Tile)
     assert "cublas" in triton_gemv.choice.timings[triton_gemv.choice.key(x, weight)]
@@ -685,7 +686,8 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     # tensor's error is measured as a whole, |a - ref| / |ref|, and held to 10 %. Measured on a CPU with this
     # checkpoint and prompt (PyTorch's bf16 path): 1-2 % at one row and at four; with one layer's norm weight
     # dropped, 35-45 %. (The same steps in fp32 through the GEMV kernels, run by Triton's interpreter on a
-    # CPU, agree with plain PyTorch to 1e-4 at one row and at four, folded and unfolded.)
+    # CPU with the kernel's dtype check widened to fp32 and the layers' GPU path copied into that script,
+    # agree with plain PyTorch to 1e-4 at one row and at four, folded and unfolded.)
     for name, a, b, ref in zip(["hidden", "tap 0", "tap 1", "logits"], [folded[0], *folded[1], folded[2]],
                                [unfolded[0], *unfolded[1], unfolded[2]], [exact[0], *exact[1], exact[2]]):
         for form, out in (("folded", a), ("unfolded", b)):
@@ -717,19 +719,23 @@ def _prefilled_step(path, dtype: str, prompt: torch.Tensor, rows: int):
     return model, step
 
 
-def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("in_weights", [False, True], ids=["norm-weights-apart", "norm-weights-in-projections"])
+def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch, in_weights):
     """With CUDA graphs the GEMV choices are made at startup, the eager draft model's included; a shape still
     undecided when a step runs takes cuBLAS (timing it clones the weight, captures a graph and synchronises
-    mid-step). Outside steps it is timed as before."""
+    mid-step). Outside steps it is timed as before. With the norm weights moved into the projections
+    (SPECSERVE_NORM_IN_WEIGHTS), startup decides the forms without the norm's weight in the kernel."""
     from specserve.layers import triton_gemv
     from specserve.layers import linear as linear_module
     from specserve.layers.linear import Linear
 
+    monkeypatch.setattr(linear_module, "NORM_IN_WEIGHTS", in_weights)
     path = tiny_checkpoint("llama", True)
     spec = SpecConfig("DRAFT_MODEL", str(path), 3)
     config = replace(_tight_config(str(path), max_total_tokens=400), device="cuda", dtype="bfloat16", spec=spec)
     engine, _ = build_engine_core(config, progress=False)
     draft = engine.runner.proposer.drafter.model
+    assert draft.layers[0].mlp.gate_up_proj.norm_in_weight == in_weights
     for name, linear in draft.named_modules():
         if isinstance(linear, Linear):
             x = torch.zeros(16, linear.in_features, device="cuda", dtype=torch.bfloat16)

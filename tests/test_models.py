@@ -84,7 +84,10 @@ def test_norm_weights_move_only_for_bf16_on_a_gpu_and_only_when_asked(monkeypatc
     from specserve.layers import linear
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert not linear.norms_go_in_weights(cuda, torch.bfloat16)  # off by default
+    monkeypatch.setattr(linear, "TRITON_GEMV", True)
+    monkeypatch.setattr(linear, "FOLD_NORMS", True)
+    monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", False)
+    assert not linear.norms_go_in_weights(cuda, torch.bfloat16)
     monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", True)
     assert linear.norms_go_in_weights(cuda, torch.bfloat16)
     assert not linear.norms_go_in_weights(cpu, torch.bfloat16)

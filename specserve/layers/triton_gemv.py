@@ -15,6 +15,7 @@ none of it is served from L2 (decode reads each weight once a step).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from contextlib import contextmanager
@@ -30,7 +31,8 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
-# Kernels of several rows let the next kernel launch (PDL) only once their main loop is done. Launched at their
+# Kernels of several rows let the next kernel launch (PDL) only once their main loop is done (by default; see
+# TRIGGER_AT). Launched at their
 # start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
 # with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up one ran 20-100 us slower
 # in an 8B verify step than alone (benchmarks/verify_gemv_choices.py). SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
@@ -39,6 +41,8 @@ LATE_TRIGGER = os.environ.get("SPECSERVE_GEMV_LATE_TRIGGER", "1") != "0"
 # 8B shape takes ~2 us more than the one-row form, which triggers at its start; a trigger near the loop's end
 # might win back part of that overlap without the crowding. Not yet timed on a GPU: 1 keeps the measured form.
 TRIGGER_AT = float(os.environ.get("SPECSERVE_GEMV_TRIGGER_AT", "1.0"))
+if not 0.0 < TRIGGER_AT <= 1.0:
+    raise ValueError(f"SPECSERVE_GEMV_TRIGGER_AT must be in (0, 1], not {TRIGGER_AT}")
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _trigger_column(width: int, block_k: int, fraction: float) -> int:
     """The main loop's column k0 after whose step a several-row kernel triggers its dependents, `fraction` of
     its steps done (the step before the loop, at column 0, counts as the first); `width` (no loop step has it):
@@ -272,7 +277,8 @@ CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
 
 
 class Choice:
-    """Per (weight shape, dtype, row bucket, gate/up form, RMSNorm folded or not): the fastest Tile, or None
+    """Per (weight shape, dtype, row bucket, gate/up form, RMSNorm folded or not, a folded norm's weight applied
+    in the kernel or already in the weight): the fastest Tile, or None
     where cuBLAS won. Each candidate is timed as the call would run it: a call that folds a norm against cuBLAS
     after a norm kernel, the gate/up form against cuBLAS and a SiLU-and-multiply kernel. A call during
     CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS there (the graphs' warm-up
