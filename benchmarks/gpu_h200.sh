@@ -8,7 +8,7 @@
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
-# candidates: the paths written but off by default (SPECSERVE_NORM_IN_WEIGHTS, SPECSERVE_GEMV_TRIGGER_AT), A/B.
+# candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default) and SPECSERVE_GEMV_TRIGGER_AT (default 1).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
