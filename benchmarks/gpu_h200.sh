@@ -8,7 +8,8 @@
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
-# candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default) and SPECSERVE_GEMV_TRIGGER_AT (default 1).
+# candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), SPECSERVE_FUSED_TOPK (off by default) and
+# SPECSERVE_GEMV_TRIGGER_AT (default 1).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
@@ -103,6 +104,10 @@ if want candidates; then
     SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain \
       "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
       --out "$OUT/spec_norm_in_weights$on.json"
+  done
+  # The tree search's fused log_softmax + top-k (SPECSERVE_FUSED_TOPK, off by default): the tree's step parts.
+  for on in 0 1; do
+    SPECSERVE_FUSED_TOPK=$on python3 benchmarks/spec_step_parts.py --setups tree --out "$OUT/spec_step_parts_fused_topk$on.json"
   done
   # Where several-row GEMVs let the next kernel launch (SPECSERVE_GEMV_TRIGGER_AT): the batch-1 step parts.
   for at in 1.0 0.9 0.75; do

@@ -758,3 +758,27 @@ def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch, in_w
     weight = engine.runner.model.layers[0].mlp.down_proj.weight
     triton_gemv.choice.tile(torch.randn(2, weight.shape[1], device="cuda", dtype=weight.dtype), weight)
     assert len(timed) == 1
+
+
+@pytest.mark.parametrize("rows, vocab, k", [(4, 32000, 4), (1, 32000, 1), (12, 1000, 4), (3, 128256, 8), (2, 70, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
+    """The tree search's top-k kernels against log_softmax + topk: the same log-probabilities, and the same
+    tokens in (value descending, token id ascending) order, ties at the top included; replayed in a graph."""
+    from specserve.engine.triton_topk import fused_log_softmax_topk
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * vocab + k)
+    logits = (torch.randn(rows, vocab + 3, device="cuda", generator=gen) * 4).to(dtype)[:, :vocab]  # row stride
+    logits[0, [5, vocab // 2, vocab - 1]] = logits[0].max() + 1  # a three-way tie for the best token
+    values, indices = fused_log_softmax_topk(logits, k)
+    ranked = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(indices, ranked)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    torch.testing.assert_close(values, log_probs.gather(1, ranked), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(values, log_probs.topk(k, dim=-1).values, atol=1e-5, rtol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = fused_log_softmax_topk(logits, k)
+    logits.copy_(logits.flip(-1))
+    graph.replay()
+    assert torch.equal(graphed[1], torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k])

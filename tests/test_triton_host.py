@@ -22,3 +22,31 @@ def test_several_row_gemvs_trigger_their_dependents_exactly_once():
     # How far in: 4096 wide in steps of 256 (the step before the loop is the first): after 12 of 16 at 0.75.
     assert _trigger_column(4096, 256, 0.75) == 11 * 256
     assert _trigger_column(4096, 256, 1.0) == 4096
+
+
+_TOPK_IN_INTERPRETER = """
+import torch
+from specserve.engine.triton_topk import fused_log_softmax_topk
+torch.manual_seed(0)
+for rows, vocab, k in [(4, 5000, 4), (3, 2048, 2), (2, 70, 8)]:
+    x = (torch.randn(rows, vocab) * 4).half()
+    x[0, [5, vocab // 2, vocab - 1]] = x[0].max() + 1
+    values, indices = fused_log_softmax_topk(x, k)
+    ranked = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(indices, ranked), (indices, ranked)
+    expected = torch.log_softmax(x.float(), dim=-1).gather(1, ranked)
+    torch.testing.assert_close(values, expected, atol=1e-5, rtol=1e-5)
+"""
+
+
+def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
+    # Triton's interpreter runs the kernels on the CPU (it must be switched on before they are defined, hence a
+    # process of its own): several blocks a row, a vocabulary that is not a multiple of the block, ties.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _TOPK_IN_INTERPRETER], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]

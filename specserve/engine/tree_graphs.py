@@ -77,6 +77,19 @@ def accept_tree_sampled(nodes: dict, dist, depth: int, max_children: int):
     return node, race(torch.where(rest.sum(dim=1, keepdim=True) > 0, rest, here))
 
 
+def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [rows, k] in fp32, token ids [rows, k]) of each row's k best, best first. On a GPU
+    with SPECSERVE_FUSED_TOPK=1, two Triton kernels do it (engine/triton_topk.py); this PyTorch form is the
+    reference its GPU test holds them to."""
+    if logits.is_cuda:
+        from specserve.engine import triton_topk  # Triton: GPU machines only
+
+        if triton_topk.ENABLED:
+            return triton_topk.fused_log_softmax_topk(logits, k)
+    top = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
+    return top.values, top.indices
+
+
 def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
     """values [B, N + 1, V] at each row's node [B] -> [B, V]."""
     return values.gather(1, node[:, None, None].expand(-1, 1, values.shape[2]))[:, 0]
@@ -102,6 +115,9 @@ class TreeGraphs(SpecGraphs):
         # Depth of every candidate: k at depth 1, then k * k per level.
         sizes = [topk] + [topk * topk] * (self.depth - 1)
         self.candidate_depth = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(sizes)]).to(self.device)
+        # The tail length of every fed row at each level of the search (a level's rows hold `level` fed nodes).
+        self.level_lens = torch.arange(self.depth, dtype=torch.int32, device=self.device)[:, None].repeat(
+            1, self.max_bs * topk)
         if capture:
             self._capture(progress, "capturing speculative tree graphs")
 
@@ -153,13 +169,15 @@ class TreeGraphs(SpecGraphs):
     # -- the program --------------------------------------------------------
     def _rows_meta(self, bs: int, n: int, slots: torch.Tensor, seq_lens: torch.Tensor, per_seq: int,
                    kv_heads: int, tails: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None,
-                   shared: bool = False) -> AttentionMetadata:
+                   shared: bool = False, tables: torch.Tensor | None = None) -> AttentionMetadata:
         """`per_seq` rows per sequence, each one query over its sequence's pages up to seq_lens, then its tail.
-        `shared`: a sequence's rows have one context length, so the kernel reads it once for all of them."""
+        `shared`: a sequence's rows have one context length, so the kernel reads it once for all of them.
+        `tables`: the rows' page tables where the caller has them already (repeated per row)."""
+        if tables is None:
+            tables = self.tables[n][:bs].repeat_interleave(per_seq, 0)
         return AttentionMetadata.for_decode_kernel(
-            slots, self.tables[n][:bs].repeat_interleave(per_seq, 0), seq_lens.to(torch.int32), self.page_size,
-            kv_heads, n, tail_slots=tails, tail_lens=None if tail_lens is None else tail_lens.to(torch.int32),
-            rows_per_seq=per_seq if shared else 1)
+            slots, tables, seq_lens.to(torch.int32), self.page_size, kv_heads, n, tail_slots=tails,
+            tail_lens=None if tail_lens is None else tail_lens.to(torch.int32), rows_per_seq=per_seq if shared else 1)
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
         candidates = self._search(bs, n)
@@ -192,26 +210,27 @@ class TreeGraphs(SpecGraphs):
         meta = self._rows_meta(bs, n, catch_slots, catch_pos + 1, self.width, head_kv)
         out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], catch_pos, meta, drafter.kv_cache)
         state = out[self.last_row[:bs]]  # [bs, H]: what the root's children are fed with
-        top = torch.log_softmax(head.compute_logits(state).float(), dim=-1).topk(k, dim=-1)
-        tokens, scores = [head.to_target_ids(top.indices)], [top.values]
+        values, indices = log_softmax_topk(head.compute_logits(state), k)
+        tokens, scores = [head.to_target_ids(indices)], [values]
         parents = [torch.full((bs, k), -1, dtype=torch.long, device=self.device)]
         frontier = torch.arange(k, device=self.device).expand(bs, k)  # candidates fed next
         fed_tokens, fed_scores = tokens[0], scores[0]
         fed_states = state[:, None, :].expand(bs, k, state.shape[-1])
         path = torch.empty(bs, k, 0, dtype=torch.long, device=self.device)  # head scratch slots of fed nodes' paths
-        root_pos = self.root_pos[:bs]
+        # What every level's fed rows share, made once: each graph kernel costs a launch's latency.
+        fed_root = self.root_pos[:bs].repeat_interleave(k)
+        fed_context = fed_root.to(torch.int32)
+        fed_tables = self.tables[n][:bs].repeat_interleave(k, 0)
         for level in range(1, self.depth):
             own = self.head_scratch[:bs, (level - 1) * k: level * k]
             path = torch.cat([path, own[..., None]], dim=-1)
-            meta = self._rows_meta(bs, n, own.reshape(-1), root_pos.repeat_interleave(k), k, head_kv,
-                                   path.reshape(bs * k, level), torch.full((bs * k,), level, device=self.device),
-                                   shared=True)
-            positions = (root_pos + level - 1).repeat_interleave(k)
-            out = head(embed(fed_tokens.reshape(-1)), fed_states.reshape(bs * k, -1), positions, meta,
+            meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head_kv, path.reshape(bs * k, level),
+                                   self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
+            out = head(embed(fed_tokens.reshape(-1)), fed_states.reshape(bs * k, -1), fed_root + (level - 1), meta,
                        drafter.kv_cache)
-            top = torch.log_softmax(head.compute_logits(out).float(), dim=-1).topk(k, dim=-1)
-            child_scores = (fed_scores[..., None] + top.values.view(bs, k, k)).view(bs, k * k)
-            child_tokens = head.to_target_ids(top.indices).view(bs, k * k)
+            values, indices = log_softmax_topk(head.compute_logits(out), k)
+            child_scores = (fed_scores[..., None] + values.view(bs, k, k)).view(bs, k * k)
+            child_tokens = head.to_target_ids(indices).view(bs, k * k)
             tokens.append(child_tokens)
             scores.append(child_scores)
             parents.append(frontier.repeat_interleave(k, dim=1))
@@ -243,15 +262,15 @@ class TreeGraphs(SpecGraphs):
         rank.scatter_(1, node_of.gather(1, ranked), torch.arange(n, device=self.device).expand(bs, n))
         in_tree = rank < self.limit[:bs, None]
         in_tree[:, 0] = True
-        # Each node's path, depth by depth: path[b, i, d] is node i's ancestor at depth d + 1 (itself last).
-        path = torch.zeros(bs, n + 1, self.depth + 1, dtype=torch.long, device=self.device)
-        node = torch.arange(n + 1, device=self.device).expand(bs, n + 1)
-        level = depth - 1
-        for _ in range(self.depth):
-            path.scatter_(2, torch.where(level >= 0, level, self.depth)[..., None], node[..., None])
-            node, level = parent.gather(1, node), level - 1
+        # Each node's path, depth by depth: path[b, i, d] is node i's ancestor at depth d + 1 (itself last, 0
+        # past it), taken from its ancestors 0, 1, .. levels up.
+        ancestors = [torch.arange(n + 1, device=self.device).expand(bs, n + 1), parent]
+        for _ in range(self.depth - 2):
+            ancestors.append(parent.gather(1, ancestors[-1]))
+        up = depth[..., None] - torch.arange(1, self.depth + 1, device=self.device)
+        path = torch.where(up >= 0, torch.stack(ancestors[: self.depth], dim=-1).gather(2, up.clamp(min=0)), 0)
         return {"tokens": torch.cat([self.root_ids[:bs, None], tokens.gather(1, kept)], dim=1),
-                "parent": parent, "depth": depth, "path": path[..., : self.depth].contiguous(), "in_tree": in_tree,
+                "parent": parent, "depth": depth, "path": path, "in_tree": in_tree,
                 "slots": torch.cat([self.root_slots[:bs, None], self.target_scratch[:bs]], dim=1)}
 
     def _verify(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
