@@ -8,12 +8,13 @@
 # 16 verified tokens, simulated tau 4), random head of the target's shape.
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
+# agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), SPECSERVE_FUSED_TOPK (off by default) and
 # SPECSERVE_GEMV_TRIGGER_AT (default 1).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [profile] [smol] [gemv_ab] [candidates] [idle] [timeline]
+#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,6 +114,16 @@ if want candidates; then
   for at in 1.0 0.9 0.75; do
     SPECSERVE_GEMV_TRIGGER_AT=$at python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_trigger_at$at.json"
   done
+fi
+if want agreement; then
+  # Greedy output with and without speculation in bf16 (SmolLM2 with its bundled head; its GGUF at $SMOLLM2_GGUF,
+  # carried in parts as train_smollm2_h200.sh does).
+  if [[ -n ${SMOLLM2_GGUF:-} ]]; then
+    python3 benchmarks/spec_agreement.py --device cuda --model-path "$SMOLLM2_GGUF" \
+      --out "$OUT/spec_agreement_bf16_h200.json"
+  else
+    echo "agreement: skipped, SMOLLM2_GGUF is not set"
+  fi
 fi
 if want idle; then
   python3 benchmarks/gpu_idle.py --out "$OUT/gpu_idle_h200.json"

@@ -326,10 +326,16 @@ def test_triton_decode_attention_with_tails_matches_the_row_reference(dtype, spl
     torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("fused_topk", [False, True], ids=["pytorch-topk", "fused-topk"])
 @pytest.mark.parametrize("simulate", [None, 2.5])
-def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, simulate):
-    """EAGLE-2 tree steps replayed as one graph each equal the same program run eagerly, and (greedy) HF."""
+def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                      simulate, fused_topk):
+    """EAGLE-2 tree steps replayed as one graph each equal the same program run eagerly, and (greedy) HF; with
+    the search's top-k in PyTorch or in the fused kernels (SPECSERVE_FUSED_TOPK)."""
+    from specserve.engine import triton_topk
     from specserve.engine.tree_graphs import TreeGraphs
+
+    monkeypatch.setattr(triton_topk, "ENABLED", fused_topk)
 
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
@@ -419,11 +425,14 @@ def check_fused_follow(program) -> None:
     assert not torch.equal(expected, before)  # some row followed
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_programs_sample_unseeded_rows_without_syncs(tiny_checkpoint, tmp_path, shape):
+@pytest.mark.parametrize("shape", ["chain", "tree", "tree-fused-topk"])
+def test_programs_sample_unseeded_rows_without_syncs(tiny_checkpoint, tmp_path, monkeypatch, shape):
     """Unseeded sampled rows take the chain or tree program (eagerly, beside its graphs) under overlap, and
     launching such a step makes no host-device synchronisation (CUDA's sync debug mode turns any into an error).
     Greedy rows and top-k 1 rows equal HF's greedy output, fully sampled rows do not, and every page comes back."""
+    from specserve.engine import triton_topk
+
+    monkeypatch.setattr(triton_topk, "ENABLED", shape == "tree-fused-topk")
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     spec = SpecConfig("EAGLE3", str(tmp_path), 3) if shape == "chain" else SpecConfig("EAGLE3", str(tmp_path), 4, 3, 9)
@@ -770,6 +779,8 @@ def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
     gen = torch.Generator(device="cuda").manual_seed(rows * vocab + k)
     logits = (torch.randn(rows, vocab + 3, device="cuda", generator=gen) * 4).to(dtype)[:, :vocab]  # row stride
     logits[0, [5, vocab // 2, vocab - 1]] = logits[0].max() + 1  # a three-way tie for the best token
+    if vocab > 4096:
+        logits[-1, :2048] = float("-inf")  # a masked block of the vocabulary holds no mass
     values, indices = fused_log_softmax_topk(logits, k)
     ranked = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
     assert torch.equal(indices, ranked)

@@ -28,9 +28,11 @@ _TOPK_IN_INTERPRETER = """
 import torch
 from specserve.engine.triton_topk import fused_log_softmax_topk
 torch.manual_seed(0)
-for rows, vocab, k in [(4, 5000, 4), (3, 2048, 2), (2, 70, 8)]:
+for rows, vocab, k in [(4, 5000, 4), (3, 2048, 2), (2, 70, 8), (2, 4100, 3)]:
     x = (torch.randn(rows, vocab) * 4).half()
     x[0, [5, vocab // 2, vocab - 1]] = x[0].max() + 1
+    if vocab > 4096:
+        x[1, :2048] = float("-inf")  # a whole block masked
     values, indices = fused_log_softmax_topk(x, k)
     ranked = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
     assert torch.equal(indices, ranked), (indices, ranked)

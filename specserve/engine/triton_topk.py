@@ -6,7 +6,8 @@ small kernels in an H200 profile of the program, five times a step, each paying 
 graph. Here it takes two launches: blocks of each row find their max, their sum of exponentials and their k
 best entries, then one program per row merges them. Each pick takes the largest value ranked after the last
 pick in (value descending, index ascending) order, so ties keep the lower token id. The PyTorch form,
-`log_softmax_topk` in engine/tree_graphs.py, is the CPU path and the reference a GPU test holds this to.
+`log_softmax_topk` in engine/tree_graphs.py, is the CPU path; a GPU test holds this to its values and to a
+stable sort's ranking.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _chunk_kernel(X, PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, stride_row, 
     x = tl.load(X + row.to(tl.int64) * stride_row + index, mask=valid, other=float("-inf")).to(tl.float32)
     top = tl.max(x, axis=0)
     tl.store(PART_MAX + part, top)
-    tl.store(PART_SUM + part, tl.sum(tl.exp(x - top), axis=0))
+    # A block of -inf logits (a masked vocabulary) holds no mass; exp(-inf - -inf) would be NaN.
+    tl.store(PART_SUM + part, tl.where(top == float("-inf"), 0.0, tl.sum(tl.exp(x - top), axis=0)))
     last_value, last_index = float("inf"), -1
     for j in tl.static_range(K):
         last_value, last_index = _best(x, index, _after(x, index, last_value, last_index, valid), vocab)
@@ -63,7 +65,7 @@ def _merge_kernel(PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, VALUES, INDICES
     tops = tl.load(PART_MAX + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
     sums = tl.load(PART_SUM + row * CHUNKS + c, mask=c < CHUNKS, other=0.0)
     top = tl.max(tops, axis=0)
-    lse = top + tl.log(tl.sum(sums * tl.exp(tops - top), axis=0))
+    log_total = tl.log(tl.sum(sums * tl.exp(tops - top), axis=0))
     i = tl.arange(0, CANDIDATES_P2)
     valid = i < CHUNKS * K
     x = tl.load(PART_VALUES + row * CHUNKS * K + i, mask=valid, other=float("-inf"))
@@ -71,7 +73,7 @@ def _merge_kernel(PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, VALUES, INDICES
     last_value, last_index = float("inf"), -1
     for j in tl.static_range(K):
         last_value, last_index = _best(x, index, _after(x, index, last_value, last_index, valid), vocab)
-        tl.store(VALUES + row * K + j, last_value - lse)
+        tl.store(VALUES + row * K + j, (last_value - top) - log_total)  # top apart: no rounding of a sum
         tl.store(INDICES + row * K + j, last_index.to(tl.int64))
 
 
@@ -79,7 +81,8 @@ def fused_log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     """`tree_graphs.log_softmax_topk` in two Triton launches (blocks of each row, then each row), ties to the
     lower index; logits [rows, vocab] with unit stride along the vocabulary."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and k <= vocab
+    if logits.stride(1) != 1 or not 0 < k <= vocab:
+        raise ValueError(f"needs unit stride along the vocabulary and 0 < k <= vocab, got {logits.stride()}, k={k}")
     chunks = triton.cdiv(vocab, BLOCK)
     device = logits.device
     part_values = torch.empty(rows, chunks, k, dtype=torch.float32, device=device)
