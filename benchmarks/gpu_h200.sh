@@ -106,6 +106,13 @@ if want candidates; then
       "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
       --out "$OUT/spec_norm_in_weights$on.json"
   done
+  # The 4-row GEMV decisions the descent chose, given to serving (SPECSERVE_GEMV_CHOICES): step parts and batch 1.
+  python3 benchmarks/verify_gemv_choices.py --descend 3 --save-choices "$OUT/gemv_choices_descent_h200.json" \
+    --out "$OUT/verify_gemv_descent_h200.json"
+  SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_descent_h200.json" python3 benchmarks/spec_step_parts.py \
+    --out "$OUT/spec_step_parts_descent_choices_h200.json"
+  SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_descent_h200.json" python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
+    --setups plain "EAGLE-3 chain 3, simulated tau 3" --out "$OUT/spec_descent_choices_h200.json"
   # The tree search's fused log_softmax + top-k (SPECSERVE_FUSED_TOPK, off by default): the tree's step parts.
   for on in 0 1; do
     SPECSERVE_FUSED_TOPK=$on python3 benchmarks/spec_step_parts.py --setups tree --out "$OUT/spec_step_parts_fused_topk$on.json"

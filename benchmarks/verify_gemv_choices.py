@@ -8,7 +8,8 @@ The chooser (layers/triton_gemv.py) times each shape alone, in a CUDA graph of c
 replays the whole verify graph instead, recaptured for each variant: how a choice plays out among the
 kernels around it is what a step pays. With --descend N it then chooses each 4-row key by the verify's own
 time, among the key's N fastest tiles alone and cuBLAS, one key after another (for finding where the chooser's
-isolated timings mislead; on an H200 it took the verify from 4.45 to 4.34-4.37 ms).
+isolated timings mislead; on an H200 it took the verify from 4.45 to 4.34-4.37 ms). --save-choices FILE then
+writes the 4-row decisions it chose, which a server takes with SPECSERVE_GEMV_CHOICES=FILE.
 
     python benchmarks/verify_gemv_choices.py --out benchmarks/results/verify_gemv_choices_h200.json
 """
@@ -24,7 +25,7 @@ from profile_gpu_step import cuda_ms
 from spec_step_parts import BASE, CHAIN, graphed, place_at, plain_step
 from specserve.bench.decode import hardware_info
 from specserve.engine.factory import build_engine_core
-from specserve.layers import triton_gemv
+from specserve.layers import gemv_choices, triton_gemv
 from specserve.layers.triton_gemv import Tile
 
 ROWS = 4
@@ -97,8 +98,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--descend", type=int, default=0, metavar="TRIES",
                    help="then choose each 4-row key by the verify's own time among its TRIES fastest tiles and cuBLAS")
+    p.add_argument("--save-choices", metavar="FILE",
+                   help="with --descend: write the 4-row decisions it chose, for SPECSERVE_GEMV_CHOICES=FILE")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.save_choices and not args.descend:
+        p.error("--save-choices needs --descend")
     triton_gemv.SWAP_CANDIDATES = triton_gemv.SWAP_IN_FOLDS = True
     engine, _ = build_engine_core(replace(BASE, spec=CHAIN), progress=False)
     program = engine.runner.spec_graphs
@@ -143,6 +148,9 @@ def main() -> None:
                             "verify_minus_plain_ms": round(ms - plain_ms, 4),
                             "decisions": {label(k): str(v) for k, v in decisions.items() if k[2] == ROWS}})
             print(results[-1], flush=True)
+            if args.save_choices:  # only the 4-row keys: this process timed the others by its own rules
+                gemv_choices.save({k: v for k, v in decisions.items() if k[2] == ROWS}, args.save_choices,
+                                  torch.cuda.get_device_name())
     triton_gemv.choice.best = chosen
     report = {"benchmark": "verify_gemv_choices", "hardware": hardware_info(), "plain_decode_ms": round(plain_ms, 4),
               "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head", "rows": ROWS},

@@ -793,3 +793,21 @@ def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
     logits.copy_(logits.flip(-1))
     graph.replay()
     assert torch.equal(graphed[1], torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k])
+
+
+def test_gemv_decisions_from_a_file_are_taken_without_timing(tmp_path):
+    """SPECSERVE_GEMV_CHOICES: a decision saved for this GPU is used as saved and not timed; a shape the file
+    lacks is timed as usual."""
+    from specserve.layers import gemv_choices, triton_gemv
+
+    weight = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda")
+    key = triton_gemv.Choice.key(x, weight)
+    odd_tile = triton_gemv.ROWS_TILES[0]  # whatever timing would say
+    path = tmp_path / "choices.json"
+    gemv_choices.save({key: odd_tile}, path, torch.cuda.get_device_name())
+    choice = triton_gemv.Choice(str(path))
+    assert choice.tile(x, weight) == odd_tile and key not in choice.timings
+    other_weight = torch.randn(128, 512, dtype=torch.bfloat16, device="cuda")
+    choice.tile(x, other_weight)
+    assert choice.key(x, other_weight) in choice.timings

@@ -19,14 +19,14 @@ import functools
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specserve.layers import triton_pdl
+from specserve.layers import gemv_choices, triton_pdl
+from specserve.layers.gemv_choices import Tile
 from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
@@ -44,15 +44,6 @@ LATE_TRIGGER = os.environ.get("SPECSERVE_GEMV_LATE_TRIGGER", "1") != "0"
 TRIGGER_AT = float(os.environ.get("SPECSERVE_GEMV_TRIGGER_AT", "1.0"))
 if not 0.0 < TRIGGER_AT <= 1.0:
     raise ValueError(f"SPECSERVE_GEMV_TRIGGER_AT must be in (0, 1], not {TRIGGER_AT}")
-
-
-@dataclass(frozen=True)
-class Tile:
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    swap: bool = False  # several rows: the weight tile is the dot's left operand (see _product)
 
 
 # One row: FMAs on CUDA cores; several rows: a tensor-core dot with the rows padded to 16.
@@ -275,6 +266,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 # cuBLAS must beat the best tile by this factor to be chosen: timed alone it may win by a hair, but in a step
 # it also breaks the chain of kernels launched early (PDL), which costs the next kernel its head start.
 CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
+# SPECSERVE_GEMV_CHOICES=FILE: decisions saved before on this GPU (layers/gemv_choices.py; verify_gemv_choices.py
+# --save-choices writes those its descent chose by the verify step's own time) are taken instead of timed; shapes
+# the file lacks are timed as usual.
+CHOICES_FILE = os.environ.get("SPECSERVE_GEMV_CHOICES")
 
 
 class Choice:
@@ -287,10 +282,14 @@ class Choice:
     run in: timing clones the weight, captures a graph and synchronises, which no step should wait for
     (`decide_all` decides every shape at startup instead)."""
 
-    def __init__(self) -> None:
+    def __init__(self, saved: str | None = None) -> None:
         self.best: dict[tuple, Tile | None] = {}
         self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
         self._timing_allowed = True
+        self._saved = saved  # a decisions file, read at the first decision (on the GPU it names)
+
+    def save(self, path: str) -> None:
+        gemv_choices.save(self.best, path, torch.cuda.get_device_name())
 
     @contextmanager
     def untimed(self):
@@ -309,6 +308,9 @@ class Choice:
 
     def tile(self, x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False,
              gamma: bool = True) -> Tile | None:
+        if self._saved:
+            self.best |= gemv_choices.load(self._saved, torch.cuda.get_device_name(x.device))
+            self._saved = None
         key = self.key(x, weight, gate_up, norm, gamma)
         if key not in self.best:
             if torch.cuda.is_current_stream_capturing() or not self._timing_allowed:
@@ -411,4 +413,4 @@ def graph_time(fn, weights: list[torch.Tensor], replays: int = 5) -> float:
     return start.elapsed_time(end) / (replays * len(weights))
 
 
-choice = Choice()
+choice = Choice(CHOICES_FILE)

@@ -1,0 +1,51 @@
+"""GEMV tiles, and the chooser's decisions as a file that a later start can take instead of timing them.
+
+The chooser (layers/triton_gemv.py) decides each weight shape's tile by timing it alone in a CUDA graph. A
+decision made another way, such as by the verify step's own time (benchmarks/verify_gemv_choices.py
+--descend), or simply one a start already paid for, can be saved with `save` and given to a server with
+SPECSERVE_GEMV_CHOICES=FILE. Decisions hold for the GPU they were made on, so a file names its GPU and
+`load` refuses another's. This module needs no Triton, so its file format is tested on any machine.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton_gemv._product)
+
+
+# A decision's key: (weight shape, dtype, row bucket, gate/up form, norm folded, the norm's weight in the kernel).
+Key = tuple[tuple[int, ...], torch.dtype, int, bool, bool, bool]
+
+
+def save(decisions: dict[Key, Tile | None], path: str | Path, device: str) -> None:
+    """Writes `decisions` (None: cuBLAS) as JSON, with the name of the GPU they were made on."""
+    entries = [{"weight": list(shape), "dtype": str(dtype).removeprefix("torch."), "rows": rows, "gate_up": gate_up,
+                "norm": norm, "gamma_in_kernel": gamma, "tile": None if tile is None else asdict(tile)}
+               for (shape, dtype, rows, gate_up, norm, gamma), tile in decisions.items()]
+    Path(path).write_text(json.dumps({"device": device, "decisions": entries}, indent=1))
+
+
+def load(path: str | Path, device: str) -> dict[Key, Tile | None]:
+    """The decisions `save` wrote; a ValueError if they were made on another GPU than `device`."""
+    record = json.loads(Path(path).read_text())
+    if record["device"] != device:
+        raise ValueError(f"{path} holds GEMV decisions made on {record['device']!r}, not on this {device!r}")
+    decisions = {}
+    for e in record["decisions"]:
+        dtype = getattr(torch, e["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{path}: {e['dtype']!r} is not a torch dtype")
+        key = (tuple(e["weight"]), dtype, e["rows"], e["gate_up"], e["norm"], e["gamma_in_kernel"])
+        decisions[key] = None if e["tile"] is None else Tile(**e["tile"])
+    return decisions

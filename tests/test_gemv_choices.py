@@ -1,0 +1,36 @@
+"""The GEMV chooser's decisions file (layers/gemv_choices.py): what a start saves, a later one reads back whole,
+and only on the GPU it was made on."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.layers import gemv_choices
+from specserve.layers.gemv_choices import Tile
+
+DECISIONS = {
+    ((4096, 4096), torch.bfloat16, 4, False, False, False): Tile(64, 128, 4, 6, swap=True),
+    ((28672, 4096), torch.bfloat16, 4, True, True, False): Tile(128, 64, 4, 5, swap=True),
+    ((6144, 4096), torch.float16, 16, False, True, True): None,  # cuBLAS
+    ((4096, 14336), torch.bfloat16, 1, False, False, False): Tile(4, 512, 8, 4),
+}
+
+
+def test_decisions_survive_a_round_trip(tmp_path):
+    path = tmp_path / "choices.json"
+    gemv_choices.save(DECISIONS, path, "NVIDIA H200")
+    assert gemv_choices.load(path, "NVIDIA H200") == DECISIONS
+
+
+def test_decisions_made_on_another_gpu_or_malformed_are_refused(tmp_path):
+    path = tmp_path / "choices.json"
+    gemv_choices.save(DECISIONS, path, "NVIDIA H200")
+    with pytest.raises(ValueError, match="NVIDIA H200"):
+        gemv_choices.load(path, "NVIDIA A100-SXM4-80GB")
+    record = json.loads(path.read_text())
+    record["decisions"][0]["dtype"] = "manual_seed"  # a torch attribute, not a dtype
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        gemv_choices.load(path, "NVIDIA H200")
