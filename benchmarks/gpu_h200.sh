@@ -9,8 +9,8 @@
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
-# candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), SPECSERVE_FUSED_TOPK (off by default) and
-# SPECSERVE_GEMV_TRIGGER_AT (default 1).
+# candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with the verify descent's GEMV decisions
+# (SPECSERVE_GEMV_CHOICES), SPECSERVE_FUSED_TOPK (off by default) and SPECSERVE_GEMV_TRIGGER_AT (default 1).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
@@ -98,8 +98,10 @@ fi
 if want candidates; then
   # The norm weights moved into the projections (SPECSERVE_NORM_IN_WEIGHTS), off and on: the verify step under
   # each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree).
+  # The default's descent (norm weights moved) also saves its 4-row decisions for SPECSERVE_GEMV_CHOICES below.
   for on in 0 1; do
-    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/verify_gemv_choices.py --descend 3 \
+    save=(); [[ $on == 1 ]] && save=(--save-choices "$OUT/gemv_choices_descent_h200.json")
+    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/verify_gemv_choices.py --descend 3 "${save[@]}" \
       --out "$OUT/verify_gemv_norm_in_weights$on.json"
     SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_norm_in_weights$on.json"
     SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain \
@@ -107,8 +109,6 @@ if want candidates; then
       --out "$OUT/spec_norm_in_weights$on.json"
   done
   # The 4-row GEMV decisions the descent chose, given to serving (SPECSERVE_GEMV_CHOICES): step parts and batch 1.
-  python3 benchmarks/verify_gemv_choices.py --descend 3 --save-choices "$OUT/gemv_choices_descent_h200.json" \
-    --out "$OUT/verify_gemv_descent_h200.json"
   SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_descent_h200.json" python3 benchmarks/spec_step_parts.py \
     --out "$OUT/spec_step_parts_descent_choices_h200.json"
   SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_descent_h200.json" python3 benchmarks/spec_off_tax.py --batch-sizes 1 \

@@ -34,3 +34,7 @@ def test_decisions_made_on_another_gpu_or_malformed_are_refused(tmp_path):
     path.write_text(json.dumps(record))
     with pytest.raises(ValueError, match="not a torch dtype"):
         gemv_choices.load(path, "NVIDIA H200")
+    del record["decisions"][0]["dtype"], record["decisions"][1]["rows"]
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="malformed"):
+        gemv_choices.load(path, "NVIDIA H200")

@@ -4,7 +4,11 @@ The chooser (layers/triton_gemv.py) decides each weight shape's tile by timing i
 decision made another way, such as by the verify step's own time (benchmarks/verify_gemv_choices.py
 --descend), or simply one a start already paid for, can be saved with `save` and given to a server with
 SPECSERVE_GEMV_CHOICES=FILE. Decisions hold for the GPU they were made on, so a file names its GPU and
-`load` refuses another's. This module needs no Triton, so its file format is tested on any machine.
+`load` refuses another's. A decision is keyed by weight shape, dtype, row bucket and call form only: it holds
+for every call of that bucket (a 4-row decision made for the chain's verify also serves plain decode at 3 or 4
+rows), and it was made under the chooser's settings of the run that saved it (launch trigger, candidate
+tiles, cuBLAS margin), which the file does not record. This module needs no Triton, so its file format is
+tested on any machine.
 """
 from __future__ import annotations
 
@@ -39,13 +43,16 @@ def save(decisions: dict[Key, Tile | None], path: str | Path, device: str) -> No
 def load(path: str | Path, device: str) -> dict[Key, Tile | None]:
     """The decisions `save` wrote; a ValueError if they were made on another GPU than `device`."""
     record = json.loads(Path(path).read_text())
-    if record["device"] != device:
-        raise ValueError(f"{path} holds GEMV decisions made on {record['device']!r}, not on this {device!r}")
+    if record.get("device") != device:
+        raise ValueError(f"{path} holds GEMV decisions made on {record.get('device')!r}, not on this {device!r}")
     decisions = {}
-    for e in record["decisions"]:
-        dtype = getattr(torch, e["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{path}: {e['dtype']!r} is not a torch dtype")
-        key = (tuple(e["weight"]), dtype, e["rows"], e["gate_up"], e["norm"], e["gamma_in_kernel"])
-        decisions[key] = None if e["tile"] is None else Tile(**e["tile"])
+    for e in record.get("decisions", []):
+        try:
+            dtype = getattr(torch, e["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{e['dtype']!r} is not a torch dtype")
+            key = (tuple(e["weight"]), dtype, e["rows"], e["gate_up"], e["norm"], e["gamma_in_kernel"])
+            decisions[key] = None if e["tile"] is None else Tile(**e["tile"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: malformed decision {e!r}: {err}") from err
     return decisions

@@ -286,10 +286,8 @@ class Choice:
         self.best: dict[tuple, Tile | None] = {}
         self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
         self._timing_allowed = True
-        self._saved = saved  # a decisions file, read at the first decision (on the GPU it names)
-
-    def save(self, path: str) -> None:
-        gemv_choices.save(self.best, path, torch.cuda.get_device_name())
+        self.saved = saved  # a decisions file, read at the first decision (on the GPU it names)
+        self._unread = saved
 
     @contextmanager
     def untimed(self):
@@ -308,9 +306,9 @@ class Choice:
 
     def tile(self, x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False, norm: bool = False,
              gamma: bool = True) -> Tile | None:
-        if self._saved:
-            self.best |= gemv_choices.load(self._saved, torch.cuda.get_device_name(x.device))
-            self._saved = None
+        if self._unread:  # once, even if it fails: its error stops the startup that met it
+            path, self._unread = self._unread, None
+            self.best = {**gemv_choices.load(path, torch.cuda.get_device_name(x.device)), **self.best}
         key = self.key(x, weight, gate_up, norm, gamma)
         if key not in self.best:
             if torch.cuda.is_current_stream_capturing() or not self._timing_allowed:
@@ -319,12 +317,21 @@ class Choice:
         return self.best[key]
 
     def report(self) -> list[dict]:
-        """Each timed call form: what was chosen, cuBLAS's time and the best tile's, in microseconds."""
-        return [{"weight": list(shape), "rows": rows, "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
-                 "chosen": str(self.best[shape, dtype, rows, gate_up, norm, gamma]),
-                 "cublas_us": round(t["cublas"], 2),
-                 "best_tile_us": round(min((v for n, v in t.items() if n != "cublas"), default=float("nan")), 2)}
-                for (shape, dtype, rows, gate_up, norm, gamma), t in self.timings.items()]
+        """Each decided call form: what was chosen and, where it was timed here, cuBLAS's time and the best
+        tile's in microseconds (decisions from a file were not timed)."""
+        rows_out = []
+        for (shape, dtype, rows, gate_up, norm, gamma), tile in self.best.items():
+            t = self.timings.get((shape, dtype, rows, gate_up, norm, gamma))
+            row = {"weight": list(shape), "rows": rows, "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
+                   "chosen": str(tile)}
+            if t is None:  # taken from the decisions file, or set by a benchmark
+                row["not_timed_here"] = True
+                row["decisions_file"] = self.saved
+            else:
+                row["cublas_us"] = round(t["cublas"], 2)
+                row["best_tile_us"] = round(min((v for n, v in t.items() if n != "cublas"), default=float("nan")), 2)
+            rows_out.append(row)
+        return rows_out
 
     def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, gate_up: bool, norm: bool,
                  gamma: bool) -> Tile | None:
