@@ -123,13 +123,15 @@ if want candidates; then
   done
 fi
 if want agreement; then
-  # Greedy output with and without speculation in bf16 (SmolLM2 with its bundled head; its GGUF at $SMOLLM2_GGUF,
-  # carried in parts as train_smollm2_h200.sh does).
+  # Greedy output with and without speculation in bf16: the 8B shape (random weights and head), then SmolLM2 with
+  # its bundled head if its GGUF is at $SMOLLM2_GGUF (carried in parts as train_smollm2_h200.sh does).
+  python3 benchmarks/spec_agreement.py --device cuda --model-path llama-3.1-8b --load-format dummy \
+    --out "$OUT/spec_agreement_bf16_8b_dummy_h200.json"
   if [[ -n ${SMOLLM2_GGUF:-} ]]; then
     python3 benchmarks/spec_agreement.py --device cuda --model-path "$SMOLLM2_GGUF" \
       --out "$OUT/spec_agreement_bf16_h200.json"
   else
-    echo "agreement: skipped, SMOLLM2_GGUF is not set"
+    echo "agreement: SmolLM2 skipped, SMOLLM2_GGUF is not set"
   fi
 fi
 if want idle; then
