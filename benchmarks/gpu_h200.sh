@@ -9,12 +9,13 @@
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
+# pending (only when named): the GPU tests and timings of what was written but has not run on a GPU yet.
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with the verify descent's GEMV decisions
 # (SPECSERVE_GEMV_CHOICES), SPECSERVE_FUSED_TOPK (off by default) and SPECSERVE_GEMV_TRIGGER_AT (default 1).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline]
+#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +122,22 @@ if want candidates; then
   for at in 1.0 0.9 0.75; do
     SPECSERVE_GEMV_TRIGGER_AT=$at python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_trigger_at$at.json"
   done
+fi
+if [[ $modes == *" pending "* ]]; then  # not part of "all": what was written but not yet run on a GPU
+  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "fused-topk or decisions_from_a_file" 2>&1 \
+    | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
+  for on in 0 1; do
+    SPECSERVE_FUSED_TOPK=$on python3 benchmarks/spec_step_parts.py --setups tree --out "$OUT/spec_step_parts_fused_topk$on.json"
+  done
+  python3 benchmarks/verify_gemv_choices.py --descend 3 --save-choices "$OUT/gemv_choices_descent_h200.json" \
+    --out "$OUT/verify_gemv_descent_h200.json"
+  for file in "" "$OUT/gemv_choices_descent_h200.json"; do
+    tag=${file:+_descent_choices}
+    SPECSERVE_GEMV_CHOICES=$file python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain \
+      "EAGLE-3 chain 3, simulated tau 3" --out "$OUT/spec_chain${tag:-_timed_choices}_h200.json"
+  done
+  python3 benchmarks/spec_agreement.py --device cuda --model-path llama-3.1-8b --load-format dummy \
+    --out "$OUT/spec_agreement_bf16_8b_dummy_h200.json"
 fi
 if want agreement; then
   # Greedy output with and without speculation in bf16: the 8B shape (random weights and head), then SmolLM2 with
