@@ -96,6 +96,13 @@ if want gemv_ab; then
       --batch-sizes 1 4 --no-hf --out "$OUT/decode_gpu_8b_gemv$gemv.json"
   done
 fi
+# The tree search's fused log_softmax + top-k (SPECSERVE_FUSED_TOPK, off by default), off and on: the tree's
+# step parts.
+fused_topk_ab() {
+  for on in 0 1; do
+    SPECSERVE_FUSED_TOPK=$on python3 benchmarks/spec_step_parts.py --setups tree --out "$OUT/spec_step_parts_fused_topk$on.json"
+  done
+}
 if want candidates; then
   # The norm weights moved into the projections (SPECSERVE_NORM_IN_WEIGHTS), off and on: the verify step under
   # each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree).
@@ -114,10 +121,7 @@ if want candidates; then
     --out "$OUT/spec_step_parts_descent_choices_h200.json"
   SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_descent_h200.json" python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
     --setups plain "EAGLE-3 chain 3, simulated tau 3" --out "$OUT/spec_descent_choices_h200.json"
-  # The tree search's fused log_softmax + top-k (SPECSERVE_FUSED_TOPK, off by default): the tree's step parts.
-  for on in 0 1; do
-    SPECSERVE_FUSED_TOPK=$on python3 benchmarks/spec_step_parts.py --setups tree --out "$OUT/spec_step_parts_fused_topk$on.json"
-  done
+  fused_topk_ab
   # Where several-row GEMVs let the next kernel launch (SPECSERVE_GEMV_TRIGGER_AT): the batch-1 step parts.
   for at in 1.0 0.9 0.75; do
     SPECSERVE_GEMV_TRIGGER_AT=$at python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_trigger_at$at.json"
@@ -126,9 +130,7 @@ fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was written but not yet run on a GPU
   python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "fused-topk or decisions_from_a_file" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
-  for on in 0 1; do
-    SPECSERVE_FUSED_TOPK=$on python3 benchmarks/spec_step_parts.py --setups tree --out "$OUT/spec_step_parts_fused_topk$on.json"
-  done
+  fused_topk_ab
   python3 benchmarks/verify_gemv_choices.py --descend 3 --save-choices "$OUT/gemv_choices_descent_h200.json" \
     --out "$OUT/verify_gemv_descent_h200.json"
   for file in "" "$OUT/gemv_choices_descent_h200.json"; do

@@ -30,20 +30,12 @@ import torch
 ALONE = "no speculation, one request at a time"
 
 
-def matching_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
+    from specserve.bench.decode import matching_prefix, token_agreement
+
     prefixes = [matching_prefix(a, b) for a, b in zip(reference, other)]
-    total = sum(len(a) for a in reference)
     return {"sequences_equal": sum(a == b for a, b in zip(reference, other)) / len(reference),
-            "tokens_before_first_mismatch": sum(prefixes) / total,
+            "tokens_before_first_mismatch": token_agreement(reference, other),
             "first_mismatch_at": [p for p, a in zip(prefixes, reference) if p < len(a)]}
 
 
@@ -66,12 +58,10 @@ def prompts_for(args, model_info) -> list[list[int]]:
         rng = random.Random(0)
         return [[rng.randrange(1000, 30000) for _ in range(rng.randrange(64, 512))] for _ in range(args.prompts)]
     from specserve.bench.datasets import mt_bench_first_turns
-    from specserve.llm import load_tokenizer
+    from specserve.llm import chat_prompt_ids, load_tokenizer
 
     tokenizer = load_tokenizer(model_info.tokenizer_dir)
-    texts = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
-             for p in mt_bench_first_turns()[: args.prompts]]
-    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return [chat_prompt_ids(tokenizer, p.messages) for p in mt_bench_first_turns()[: args.prompts]]
 
 
 def main() -> None:

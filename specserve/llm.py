@@ -19,6 +19,12 @@ def load_tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template, ready for the answer."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLM:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig()
@@ -45,8 +51,7 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the answer."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def add(self, prompt: str | Sequence[int], params: SamplingParams) -> OutputTracker:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -190,17 +190,21 @@ def _median(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("retries", "other_procs_cores")}
 
 
-def _token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for u, v in zip(a, b):
+        if u != v:
+            break
+        n += 1
+    return n
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     # Fraction of sequences' positions that match before the first divergence: greedy fp32 should agree
     # closely; a low figure means the two systems are not doing the same work.
-    total = matched = 0
-    for x, y in zip(a, b):
-        total += len(x)
-        for u, v in zip(x, y):
-            if u != v:
-                break
-            matched += 1
-    return matched / total if total else float("nan")
+    total = sum(len(x) for x in a)
+    return sum(matching_prefix(x, y) for x, y in zip(a, b)) / total if total else float("nan")
 
 
 def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
@@ -248,7 +252,7 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
             row["decode_ratio"] = row["specserve"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
             row["ttft_ratio_hf_over_specserve"] = row["hf"]["ttft_s"] / row["specserve"]["ttft_s"]
             if llm.model_info.weights_dir is not None:  # random weights differ between the two
-                row["greedy_token_agreement"] = _token_agreement(ss_tokens, hf_tokens)
+                row["greedy_token_agreement"] = token_agreement(ss_tokens, hf_tokens)
         results.append(row)
         _print_row(row)
 
