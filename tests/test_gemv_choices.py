@@ -38,3 +38,16 @@ def test_decisions_made_on_another_gpu_or_malformed_are_refused(tmp_path):
     path.write_text(json.dumps(record))
     with pytest.raises(ValueError, match="malformed"):
         gemv_choices.load(path, "NVIDIA H200")
+
+
+def test_shipped_decisions_are_found_by_gpu_name_and_load_there_only():
+    """The package's decisions for the H200 (what a server there takes unless SPECSERVE_GEMV_CHOICES says
+    otherwise) load whole on that GPU; a GPU with no file gets none."""
+    path = gemv_choices.shipped("NVIDIA H200")
+    assert path is not None and path.name == "NVIDIA_H200.json"
+    decisions = gemv_choices.load(path, "NVIDIA H200")
+    assert decisions and {key[2] for key in decisions} == {4}  # the chain verify's row bucket only
+    assert all(tile is None or isinstance(tile, Tile) for tile in decisions.values())
+    assert gemv_choices.shipped("NVIDIA GeForce RTX 4090") is None
+    with pytest.raises(ValueError, match="NVIDIA H200"):
+        gemv_choices.load(path, "NVIDIA H100 80GB HBM3")

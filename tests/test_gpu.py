@@ -795,6 +795,25 @@ def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
     assert torch.equal(graphed[1], torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k])
 
 
+def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing():
+    """Unless SPECSERVE_GEMV_CHOICES says otherwise, a GPU with decisions shipped in the package takes them
+    (on an H200: the 8B chain verify's 4-row ones), and a GPU without any times the shape."""
+    from specserve.layers import gemv_choices, triton_gemv
+
+    name = torch.cuda.get_device_name()
+    shipped = gemv_choices.shipped(name)
+    weight = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")  # an 8B attention output
+    x = torch.randn(4, 4096, dtype=torch.bfloat16, device="cuda")
+    choice = triton_gemv.Choice("shipped")
+    tile = choice.tile(x, weight)
+    key = choice.key(x, weight)
+    if shipped is None:
+        assert key in choice.timings and choice.saved is None
+    else:
+        assert key not in choice.timings and tile == gemv_choices.load(shipped, name)[key]
+        assert choice.saved == str(shipped)
+
+
 def test_gemv_decisions_from_a_file_are_taken_without_timing(tmp_path):
     """SPECSERVE_GEMV_CHOICES: a decision saved for this GPU is used as saved and not timed; a shape the file
     lacks is timed as usual."""

@@ -79,7 +79,7 @@ def accept_tree_sampled(nodes: dict, dist, depth: int, max_children: int):
 
 def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities [rows, k] in fp32, token ids [rows, k]) of each row's k best, best first. On a GPU
-    with SPECSERVE_FUSED_TOPK=1, two Triton kernels do it (engine/triton_topk.py): the same values, ties
+    (unless SPECSERVE_FUSED_TOPK=0), two Triton kernels do it (engine/triton_topk.py): the same values, ties
     ranked to the lower token id, where torch.topk leaves their order open."""
     if logits.is_cuda:
         from specserve.engine import triton_topk  # Triton: GPU machines only

@@ -9,10 +9,14 @@ for every call of that bucket (a 4-row decision made for the chain's verify also
 rows), and it was made under the chooser's settings of the run that saved it (launch trigger, candidate
 tiles, cuBLAS margin), which the file does not record. This module needs no Triton, so its file format is
 tested on any machine.
+
+Decisions measured here for a GPU ship with the package (`gemv_decisions/`, one file per GPU name), the way
+SGLang and vLLM ship tuned kernel configs per device: a server on that GPU takes them unless told otherwise.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +30,15 @@ class Tile:
     num_warps: int
     num_stages: int
     swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton_gemv._product)
+
+
+SHIPPED_DIR = Path(__file__).parent / "gemv_decisions"
+
+
+def shipped(device: str) -> Path | None:
+    """The decisions file shipped for the GPU named `device`, if there is one."""
+    path = SHIPPED_DIR / f"{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}.json"
+    return path if path.is_file() else None
 
 
 # A decision's key: (weight shape, dtype, row bucket, gate/up form, norm folded, the norm's weight in the kernel).

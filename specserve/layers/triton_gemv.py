@@ -266,10 +266,12 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 # cuBLAS must beat the best tile by this factor to be chosen: timed alone it may win by a hair, but in a step
 # it also breaks the chain of kernels launched early (PDL), which costs the next kernel its head start.
 CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
-# SPECSERVE_GEMV_CHOICES=FILE: decisions saved before on this GPU (layers/gemv_choices.py; verify_gemv_choices.py
-# --save-choices writes those its descent chose by the verify step's own time) are taken instead of timed; shapes
-# the file lacks are timed as usual.
-CHOICES_FILE = os.environ.get("SPECSERVE_GEMV_CHOICES")
+# Decisions taken instead of timed (layers/gemv_choices.py); shapes they lack are timed as usual. Unset: those
+# shipped for this GPU, if any (for the H200, the 4-row decisions that verify_gemv_choices.py --descend chose by
+# the chain verify's own time: a batch-1 chain step took 4.99 ms of device time with them against 5.09 timed
+# alone). SPECSERVE_GEMV_CHOICES=FILE: a file saved before on this GPU (--save-choices writes one); "" or
+# "none": time every shape here.
+CHOICES_FILE = os.environ.get("SPECSERVE_GEMV_CHOICES", "shipped")
 
 
 class Choice:
@@ -286,8 +288,8 @@ class Choice:
         self.best: dict[tuple, Tile | None] = {}
         self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
         self._timing_allowed = True
-        self.saved = saved  # a decisions file, read at the first decision (on the GPU it names)
-        self._unread = saved
+        self.saved = saved  # a decisions file or "shipped", read at the first decision (on the GPU it names)
+        self._unread = saved if saved not in ("", "none") else None
 
     @contextmanager
     def untimed(self):
@@ -308,7 +310,12 @@ class Choice:
              gamma: bool = True) -> Tile | None:
         if self._unread:  # once, even if it fails: its error stops the startup that met it
             path, self._unread = self._unread, None
-            self.best = {**gemv_choices.load(path, torch.cuda.get_device_name(x.device)), **self.best}
+            device = torch.cuda.get_device_name(x.device)
+            if path == "shipped":
+                path = gemv_choices.shipped(device)
+                self.saved = path and str(path)
+            if path:
+                self.best = {**gemv_choices.load(path, device), **self.best}
         key = self.key(x, weight, gate_up, norm, gamma)
         if key not in self.best:
             if torch.cuda.is_current_stream_capturing() or not self._timing_allowed:
