@@ -592,9 +592,10 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
         for tile in _every_tile(rows):
             torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
         monkeypatch.undo()
-    tile = triton_gemv.choice.tile(x, weight)
+    choice = triton_gemv.Choice()  # no decisions file: the shipped ones hold some of these shapes untimed
+    tile = choice.tile(x, weight)
     assert tile is None or isinstance(tile, triton_gemv.Tile)
-    assert "cublas" in triton_gemv.choice.timings[triton_gemv.choice.key(x, weight)]
+    assert "cublas" in choice.timings[choice.key(x, weight)]
 
 
 def _every_tile(rows: int):
@@ -811,7 +812,7 @@ def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing():
         assert key in choice.timings and choice.saved is None
     else:
         assert key not in choice.timings and tile == gemv_choices.load(shipped, name)[key]
-        assert choice.saved == str(shipped)
+        assert choice.saved == f"shipped: {shipped.name}"
 
 
 def test_gemv_decisions_from_a_file_are_taken_without_timing(tmp_path):

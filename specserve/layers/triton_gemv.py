@@ -313,7 +313,7 @@ class Choice:
             device = torch.cuda.get_device_name(x.device)
             if path == "shipped":
                 path = gemv_choices.shipped(device)
-                self.saved = path and str(path)
+                self.saved = path and f"shipped: {path.name}"
             if path:
                 self.best = {**gemv_choices.load(path, device), **self.best}
         key = self.key(x, weight, gate_up, norm, gamma)
