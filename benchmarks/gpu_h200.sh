@@ -10,13 +10,16 @@
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
 # pending (only when named): the GPU tests and timings of what was written but has not run on a GPU yet.
+# persistent (only when named): the persistent several-row GEMV tiles (SPECSERVE_GEMV_PERSISTENT, off by
+# default) off and on, every decision timed in its process: the batch-1 step parts and end to end, then the
+# verify's descent with them among the candidates.
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with a fresh descent's GEMV decisions
 # (SPECSERVE_GEMV_CHOICES; the H200's shipped ones by default), SPECSERVE_FUSED_TOPK (on by default) and
 # SPECSERVE_GEMV_TRIGGER_AT (default 1).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending]
+#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending] [persistent]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -132,9 +135,21 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # The GEMV match test, changed to time a chooser of its own (the shipped decisions hold some of its shapes).
-  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "triton_gemv_matches_cublas or shipped" 2>&1 \
+  # The GEMV match test (it now times a chooser of its own, and takes the persistent tiles too) and the
+  # persistent tiles' own test.
+  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "triton_gemv_matches_cublas or persistent" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
+fi
+if [[ $modes == *" persistent "* ]]; then
+  for on in 0 1; do
+    SPECSERVE_GEMV_CHOICES=none SPECSERVE_GEMV_PERSISTENT=$on python3 benchmarks/spec_step_parts.py \
+      --out "$OUT/spec_step_parts_persistent$on.json"
+    SPECSERVE_GEMV_CHOICES=none SPECSERVE_GEMV_PERSISTENT=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
+      --setups plain "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
+      --out "$OUT/spec_persistent$on.json"
+  done
+  SPECSERVE_GEMV_PERSISTENT=1 python3 benchmarks/verify_gemv_choices.py --descend 3 \
+    --save-choices "$OUT/gemv_choices_persistent_h200.json" --out "$OUT/verify_gemv_persistent_h200.json"
 fi
 if want agreement; then
   # Greedy output with and without speculation in bf16: the 8B shape (random weights and head), then SmolLM2 with

@@ -39,13 +39,15 @@ def best_of(timings: dict[str, float], allowed) -> Tile | None:
 
 def four_row_forms(timings: dict) -> list[dict]:
     """Each 4-row key's timings alone (microseconds): cuBLAS, the best tile with the rows as the dot's left
-    operand and the best with the weight there (swapped)."""
-    swapped = {str(tile) for tile in triton_gemv.SWAP_TILES}
+    operand, the best with the weight there (swapped), and the best persistent one (where they were timed)."""
+    tiles = {str(t): t for t in triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.PERSISTENT_TILES}
+    forms = {"rows_left": lambda t: not t.swap and not t.persistent, "swapped": lambda t: t.swap and not t.persistent,
+             "persistent": lambda t: t.persistent}
     rows = []
     for (shape, _, rows_bucket, gate_up, norm, gamma), times in timings.items():
         if rows_bucket == ROWS:
-            best = {form: min((t for n, t in times.items() if n != "cublas" and (n in swapped) == swap), default=None)
-                    for form, swap in (("rows_left", False), ("swapped", True))}
+            best = {form: min((t for n, t in times.items() if n in tiles and takes(tiles[n])), default=None)
+                    for form, takes in forms.items()}
             rows.append({"weight": list(shape), "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
                          "cublas": round(times["cublas"], 2), **{form: t and round(t, 2) for form, t in best.items()}})
     return rows

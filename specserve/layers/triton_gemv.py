@@ -61,6 +61,15 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
+# Several-row tiles in the persistent form (_gemv_persistent_kernel: at most one program per SM, the next kernel
+# launched at its start). Each has no register spills on sm_90 and fits shared memory in the plain form (the
+# gate/up form of the larger ones does not, and the chooser skips it there). Written and checked in Triton's
+# interpreter and compiled for sm_90, not yet timed on a GPU: SPECSERVE_GEMV_PERSISTENT=1 lets the chooser time
+# them (with SPECSERVE_GEMV_CHOICES=none where shipped decisions hold the 4-row shapes).
+PERSISTENT_TILES = [Tile(n, k, w, s, swap=n >= 64, persistent=True) for n, k, w, s in
+                    ((16, 256, 4, 6), (16, 512, 8, 4), (32, 128, 4, 6), (32, 256, 4, 4), (32, 256, 4, 5),
+                     (64, 128, 4, 4), (64, 128, 4, 5))]
+PERSISTENT_CANDIDATES = os.environ.get("SPECSERVE_GEMV_PERSISTENT", "0") == "1"
 # They are not timed for forms that scale x by a folded norm's weight: timed alone those won at 2-16 rows, yet on
 # the H200 a 4-row chain verify took 4.55 ms with them against 4.44 with those norms as kernels of their own
 # and swapped tiles elsewhere (benchmarks/verify_gemv_choices.py; the tree's 16-row verify took 5.22 ms either
@@ -130,20 +139,81 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
-        if SWAP:
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
-        ok = (m < M)[:, None] & n_ok[None, :]
-        if NORM:
-            scale = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
-            acc = acc * scale
+        _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP, GATE_UP, NORM,
+                    ADD)
+
+
+@triton.jit(do_not_specialize=["M", "programs"])
+def _gemv_persistent_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
+                            programs, ROWS: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr,
+                            GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+    """Several rows with at most one program per SM: program p takes output tiles p, p + P, p + 2P, ... of the
+    P programs, in one flat loop over (tile, column block), so its weight loads stay pipelined across the
+    tiles' boundaries. It lets the next kernel launch at its start, as the one-row form does. The grid form
+    cannot: its next kernel's blocks would fill the SMs it leaves free and wait there, many to an SM (see
+    LATE_TRIGGER); against a grid of one block per SM they find a free slot on every SM alike. Every program
+    runs as many steps as the busiest (a uniform loop bound), its tiles past the last masked out: they cost
+    no memory traffic, and the busiest program sets the kernel's time anyway. Needs K > BLOCK_K (the first
+    step is taken before the loop). EVEN: K divides into BLOCK_K (tiles past N are masked either way)."""
+    pid = tl.program_id(0)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    steps = tl.cdiv(tl.cdiv(N, BLOCK_N), programs) * k_steps
+    m = tl.arange(0, ROWS)
+    if SWAP:
+        zero = tl.zeros([BLOCK_N, ROWS], tl.float32)
+    else:
+        zero = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    no_squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = W + n.to(tl.int64)[:, None] * stride_wn
+    k = tl.arange(0, BLOCK_K)
+    w = _load_w_rows(w_rows, k, n_ok, K, EVEN)  # read while the kernel before finishes
+    if GATE_UP:
+        w_up = _load_w_rows(w_rows + N * stride_wn, k, n_ok, K, EVEN)
+    else:
+        w_up = w
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc, acc_up, squares = _accumulate(zero, zero, no_squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, False,
+                                       SWAP, GATE_UP, NORM, GAMMA_ON)
+    for step in range(1, steps):
+        k_step = step % k_steps
+        n = (pid + (step // k_steps) * programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        w_rows = W + n.to(tl.int64)[:, None] * stride_wn
+        k = k_step * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = _load_w_rows(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
-            if NORM:
-                acc_up = acc_up * scale
-            acc = _silu_times(acc.to(OUT.dtype.element_ty), acc_up.to(OUT.dtype.element_ty)).to(tl.float32)
-        if ADD:
-            acc += tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + m[:, None] * stride_om + n[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
+            w_up = _load_w_rows(w_rows + N * stride_wn, k, n_ok, K, EVEN)
+        acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, False,
+                                           SWAP, GATE_UP, NORM, GAMMA_ON)
+        if k_step == k_steps - 1:
+            _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP, GATE_UP,
+                        NORM, ADD)
+            acc, acc_up, squares = zero, zero, no_squares
+
+
+@triton.jit
+def _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP: tl.constexpr,
+                GATE_UP: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr):
+    """A several-row tile's epilogue: the folded norm's 1/rms, SiLU-and-multiply, the residual, the store."""
+    if SWAP:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    ok = (m < M)[:, None] & n_ok[None, :]
+    if NORM:
+        scale = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
+        acc = acc * scale
+    if GATE_UP:
+        if NORM:
+            acc_up = acc_up * scale
+        acc = _silu_times(acc.to(OUT.dtype.element_ty), acc_up.to(OUT.dtype.element_ty)).to(tl.float32)
+    if ADD:
+        acc += tl.load(RES + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + m[:, None] * stride_om + n[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -200,6 +270,15 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _load_w_rows(w_rows, k, n_ok, K, EVEN_K: tl.constexpr):
+    """_load_w with the rows always masked (a persistent program's tiles past the last); the mask is constant
+    along K, so the loads still vectorise."""
+    if EVEN_K:
+        return tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _silu_times(gate, up):
     """silu(gate) * up, rounded where the unfused kernels round (gate and up to the model dtype, as the
     projection stores them; silu(gate); then the product)."""
@@ -210,12 +289,13 @@ def _silu_times(gate, up):
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, residual: torch.Tensor | None = None, gate_up: bool = False,
-         norm: bool = False) -> torch.Tensor:
+         norm: bool = False, programs: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32. With
     `gate_up`, the weight is [gate; up] and the result is silu(x @ gate^T) * (x @ up^T), [M, N/2]. With `norm_weight`,
     RMSNorm(x) (that weight, `eps`) is multiplied instead of x; with `norm` and no `norm_weight`, x / rms(x),
     for a weight that already holds the norm's (`DecoderLayer.move_norm_weights_into_projections`). `residual`
-    is added to the result: a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
+    is added to the result: a decoder layer's norms fold into the GEMVs around them (layers/linear.py).
+    `programs` caps a persistent tile's grid (default: the GPU's SM count; tests set fewer)."""
     rows = x.shape[0]
     out_features, width = weight.shape
     if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
@@ -226,7 +306,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     even = width % tile.block_k == 0 and out_features % tile.block_n == 0
-    _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
+    tiles = triton.cdiv(out_features, tile.block_n)
+    if tile.persistent and rows > 1 and width > tile.block_k:
+        grid = min(tiles, programs or _sm_count(x.device))
+        _gemv_persistent_kernel[(grid,)](
+            x, weight, out, norm_weight if norm_weight is not None else weight,
+            residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
+            out.stride(0), residual.stride(0) if residual is not None else 0, eps, grid, ROWS=MAX_ROWS,
+            SWAP=tile.swap, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
+            ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=width % tile.block_k == 0,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
+        return out
+    _gemv_kernel[(tiles,)](
         x, weight, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
         out.stride(0), residual.stride(0) if residual is not None else 0, eps,
@@ -236,6 +327,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
         num_stages=tile.num_stages, LATE_TRIGGER=LATE_TRIGGER, **triton_pdl.launch_options(x))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter, on a CPU
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -377,7 +475,8 @@ def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True) -> list[T
     if rows == 1:
         return ONE_ROW_TILES
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
-    return ROWS_TILES + (SWAP_TILES if swapped else [])
+    persistent = [t for t in PERSISTENT_TILES if swapped or not t.swap] if PERSISTENT_CANDIDATES else []
+    return ROWS_TILES + (SWAP_TILES if swapped else []) + persistent
 
 
 def decide_all(module: torch.nn.Module) -> None:

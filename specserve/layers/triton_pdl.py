@@ -45,5 +45,7 @@ def enabled(device_index: int) -> bool:
 def launch_options(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch on t's device: the PDL flag (where Triton knows it) and the
     matching constexpr."""
+    if t.device.type != "cuda":  # Triton's interpreter, on a CPU
+        return {"PDL": False}
     on = enabled(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return {"launch_pdl": True, "PDL": True} if on else {"PDL": False}
