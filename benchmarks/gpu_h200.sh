@@ -112,18 +112,17 @@ if want candidates; then
   # each GEMV choice, the batch-1 step parts, and batch-1 decode end to end (plain, chain, tree), every decision
   # timed in its own process (no shipped ones: they were made with the norm weights moved).
   # The default's descent (norm weights moved) also saves its 4-row decisions for SPECSERVE_GEMV_CHOICES below.
-  export SPECSERVE_GEMV_CHOICES=none
   for on in 0 1; do
     save=(); [[ $on == 1 ]] && save=(--save-choices "$OUT/gemv_choices_descent_h200.json")
     SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/verify_gemv_choices.py --descend 3 "${save[@]}" \
       --out "$OUT/verify_gemv_norm_in_weights$on.json"
-    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_norm_in_weights$on.json"
-    SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain \
-      "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
+    SPECSERVE_GEMV_CHOICES=none SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_step_parts.py \
+      --out "$OUT/spec_step_parts_norm_in_weights$on.json"
+    SPECSERVE_GEMV_CHOICES=none SPECSERVE_NORM_IN_WEIGHTS=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
+      --setups plain "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
       --out "$OUT/spec_norm_in_weights$on.json"
   done
   # The 4-row GEMV decisions the descent chose, given to serving (SPECSERVE_GEMV_CHOICES): step parts and batch 1.
-  unset SPECSERVE_GEMV_CHOICES
   SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_descent_h200.json" python3 benchmarks/spec_step_parts.py \
     --out "$OUT/spec_step_parts_descent_choices_h200.json"
   SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_descent_h200.json" python3 benchmarks/spec_off_tax.py --batch-sizes 1 \

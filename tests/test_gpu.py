@@ -615,6 +615,7 @@ def test_persistent_gemv_tiles_cover_every_output_with_few_programs(programs):
         residual = torch.randn(4, out_features // 2, device="cuda", dtype=torch.bfloat16)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
         gate, up = (normed @ weight.float().T).chunk(2, dim=-1)
+        gated_tiles = 0
         for tile in triton_gemv.PERSISTENT_TILES:
             out = triton_gemv.gemv(x, weight, tile, programs=programs)
             torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=2e-2, rtol=2e-2)
@@ -625,6 +626,8 @@ def test_persistent_gemv_tiles_cover_every_output_with_few_programs(programs):
                 continue
             torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up + residual.float(),
                                        atol=3e-2, rtol=3e-2)
+            gated_tiles += 1
+        assert gated_tiles >= 3
 
 
 def _every_tile(rows: int):
@@ -827,11 +830,16 @@ def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
     assert torch.equal(graphed[1], torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k])
 
 
-def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing():
+def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing(monkeypatch):
     """Unless SPECSERVE_GEMV_CHOICES says otherwise, a GPU with decisions shipped in the package takes them
-    (on an H200: the 8B chain verify's 4-row ones), and a GPU without any times the shape."""
+    (on an H200: the 8B chain verify's 4-row ones), and a GPU without any times the shape. A chooser switch off
+    its default (here the swapped tiles) sets them aside, and so does SPECSERVE_GEMV_CHOICES=0."""
+    import os
+
     from specserve.layers import gemv_choices, triton_gemv
 
+    if "SPECSERVE_GEMV_CHOICES" not in os.environ:
+        assert triton_gemv.CHOICES_FILE == "shipped"
     name = torch.cuda.get_device_name()
     shipped = gemv_choices.shipped(name)
     weight = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")  # an 8B attention output
@@ -844,6 +852,14 @@ def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing():
     else:
         assert key not in choice.timings and tile == gemv_choices.load(shipped, name)[key]
         assert choice.saved == f"shipped: {shipped.name}"
+    for saved in ("0", "none", "OFF", ""):
+        choice = triton_gemv.Choice(saved)
+        choice.tile(x, weight)
+        assert key in choice.timings and choice.saved is None, saved
+    monkeypatch.setattr(triton_gemv, "SWAP_CANDIDATES", False)
+    choice = triton_gemv.Choice("shipped")
+    choice.tile(x, weight)
+    assert key in choice.timings and choice.saved is None
 
 
 def test_gemv_decisions_from_a_file_are_taken_without_timing(tmp_path):

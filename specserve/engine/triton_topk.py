@@ -46,6 +46,7 @@ def _chunk_kernel(X, PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, stride_row, 
     index = chunk * BLOCK + tl.arange(0, BLOCK)
     valid = index < vocab
     x = tl.load(X + row.to(tl.int64) * stride_row + index, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("-inf"), x)  # a NaN compares false everywhere: it would leave no valid pick
     top = tl.max(x, axis=0)
     tl.store(PART_MAX + part, top)
     # A block of -inf logits (a masked vocabulary) holds no mass; exp(-inf - -inf) would be NaN.

@@ -4,7 +4,8 @@ A decode step at batch 1 reads every weight once and does almost no math, so its
 matmul comes to the GPU's memory bandwidth. cuBLAS gets there for wide matrices, but on an H200 it left a
 third of the bandwidth unused on the narrower ones of an 8B Llama (attention output: 4096 x 4096, 2.6 of
 4.3 TB/s timed in a CUDA graph, split over K with a separate reduction kernel). Here each program owns BLOCK_N output
-features and streams their rows over the whole K, so there is nothing to reduce afterwards. The MLP's
+features at a time and streams their rows over the whole K, so there is nothing to reduce afterwards
+(the persistent form, for several rows, takes several such tiles in turn, one program per SM). The MLP's
 gate/up projection can apply SiLU-and-multiply to its outputs before it stores them (each program takes the
 same features of both halves), which saves that kernel's launch and its trip through memory.
 
@@ -31,8 +32,8 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
-# Kernels of several rows let the next kernel launch (PDL) only once their main loop is done (by default; see
-# TRIGGER_AT). Launched at their
+# Kernels of several rows in the grid form let the next kernel launch (PDL) only once their main loop is done (by
+# default; see TRIGGER_AT; the persistent form launches it at its start). Launched at their
 # start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
 # with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up one ran 20-100 us slower
 # in an 8B verify step than alone (benchmarks/verify_gemv_choices.py). SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
@@ -59,7 +60,8 @@ ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Til
 # rows on the left (above) it is an Ampere-style mma of 16 padded rows, its weight operand in registers.
 SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
-# SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch).
+# SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
+# sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
 # Several-row tiles in the persistent form (_gemv_persistent_kernel: at most one program per SM, the next kernel
 # launched at its start). Each has no register spills on sm_90 and fits shared memory in the plain form (the
@@ -153,9 +155,10 @@ def _gemv_persistent_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn
     tiles' boundaries. It lets the next kernel launch at its start, as the one-row form does. The grid form
     cannot: its next kernel's blocks would fill the SMs it leaves free and wait there, many to an SM (see
     LATE_TRIGGER); against a grid of one block per SM they find a free slot on every SM alike. Every program
-    runs as many steps as the busiest (a uniform loop bound), its tiles past the last masked out: they cost
-    no memory traffic, and the busiest program sets the kernel's time anyway. Needs K > BLOCK_K (the first
-    step is taken before the loop). EVEN: K divides into BLOCK_K (tiles past N are masked either way)."""
+    runs as many steps as the busiest (a uniform loop bound), its tiles past the last masked out: they read
+    no weights, and the busiest program sets the kernel's time anyway. Needs K > BLOCK_K: a tile is stored
+    inside the loop, after its last column block, which a single block would never reach. EVEN: K divides
+    into BLOCK_K (tiles past N are masked either way)."""
     pid = tl.program_id(0)
     k_steps = tl.cdiv(K, BLOCK_K)
     steps = tl.cdiv(tl.cdiv(N, BLOCK_N), programs) * k_steps
@@ -367,9 +370,10 @@ CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
 # Decisions taken instead of timed (layers/gemv_choices.py); shapes they lack are timed as usual. Unset: those
 # shipped for this GPU, if any (for the H200, the 4-row decisions that verify_gemv_choices.py --descend chose by
 # the chain verify's own time: a batch-1 chain step took 4.99 ms of device time with them against 5.09 timed
-# alone). SPECSERVE_GEMV_CHOICES=FILE: a file saved before on this GPU (--save-choices writes one); "" or
-# "none": time every shape here.
+# alone), unless a chooser switch is off its default. SPECSERVE_GEMV_CHOICES=FILE: a file saved before on this
+# GPU (--save-choices writes one); "", "0", "none" or "off": time every shape here.
 CHOICES_FILE = os.environ.get("SPECSERVE_GEMV_CHOICES", "shipped")
+NO_FILE = ("", "0", "none", "off")
 
 
 class Choice:
@@ -386,8 +390,10 @@ class Choice:
         self.best: dict[tuple, Tile | None] = {}
         self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
         self._timing_allowed = True
-        self.saved = saved  # a decisions file or "shipped", read at the first decision (on the GPU it names)
-        self._unread = saved if saved not in ("", "none") else None
+        # A decisions file, or "shipped" for this GPU's (read at the first decision, on the GPU it names; then
+        # "shipped: NAME", or None where there are none); None: every shape is timed.
+        self.saved = None if saved is None or saved.strip().lower() in NO_FILE else saved
+        self._unread = self.saved
 
     @contextmanager
     def untimed(self):
@@ -409,8 +415,8 @@ class Choice:
         if self._unread:  # once, even if it fails: its error stops the startup that met it
             path, self._unread = self._unread, None
             device = torch.cuda.get_device_name(x.device)
-            if path == "shipped":
-                path = gemv_choices.shipped(device)
+            if path == "shipped":  # made under the chooser's defaults, so only taken under them
+                path = gemv_choices.shipped(device) if chooser_at_defaults() else None
                 self.saved = path and f"shipped: {path.name}"
             if path:
                 self.best = {**gemv_choices.load(path, device), **self.best}
@@ -457,6 +463,17 @@ class Choice:
         self.timings[key] = times
         del copies
         return pick(times, tiles)
+
+
+def chooser_at_defaults() -> bool:
+    """Whether every switch of the chooser and the kernels is at its default: an A/B of one (swapped tiles off,
+    another cuBLAS margin, the persistent tiles on, another trigger) would otherwise be hidden by the shipped
+    decisions for the shapes they hold. The norm switches count too: the decisions were made with the norms
+    folded and their weights in the projections."""
+    from specserve.layers import linear
+
+    return (SWAP_CANDIDATES and not PERSISTENT_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
+            and TRIGGER_AT == 1.0 and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
 def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
