@@ -134,9 +134,10 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # The GEMV match test (it now times a chooser of its own, and takes the persistent tiles too) and the
-  # persistent tiles' own test.
-  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "triton_gemv_matches_cublas or persistent" 2>&1 \
+  # The GEMV match test (it now times a chooser of its own, and takes the persistent tiles too), the persistent
+  # tiles' own test, the shipped decisions' test (now with the switches) and the fused top-k (a NaN guard since).
+  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
+    -k "triton_gemv_matches_cublas or persistent or shipped or fused_log_softmax or fused-topk" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
 fi
 if [[ $modes == *" persistent "* ]]; then
