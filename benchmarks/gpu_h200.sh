@@ -11,8 +11,9 @@
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
 # pending (only when named): the GPU tests and timings of what was written but has not run on a GPU yet.
 # persistent (only when named): the persistent several-row GEMV tiles (SPECSERVE_GEMV_PERSISTENT, off by
-# default) off and on, every decision timed in its process: the batch-1 step parts and end to end, then the
-# verify's descent with them among the candidates.
+# default) off and on, every decision timed in its process: the batch-1 step parts (with each part's kernels, for
+# where the tree's verify spends its time beyond the GEMVs) and end to end, then the verify's descent with them
+# among the candidates.
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with a fresh descent's GEMV decisions
 # (SPECSERVE_GEMV_CHOICES; the H200's shipped ones by default), SPECSERVE_FUSED_TOPK (on by default) and
 # SPECSERVE_GEMV_TRIGGER_AT (default 1).
@@ -142,7 +143,7 @@ if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed bu
 fi
 if [[ $modes == *" persistent "* ]]; then
   for on in 0 1; do
-    SPECSERVE_GEMV_CHOICES=none SPECSERVE_GEMV_PERSISTENT=$on python3 benchmarks/spec_step_parts.py \
+    SPECSERVE_GEMV_CHOICES=none SPECSERVE_GEMV_PERSISTENT=$on python3 benchmarks/spec_step_parts.py --kernels \
       --out "$OUT/spec_step_parts_persistent$on.json"
     SPECSERVE_GEMV_CHOICES=none SPECSERVE_GEMV_PERSISTENT=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
       --setups plain "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
