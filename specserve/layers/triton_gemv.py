@@ -67,7 +67,7 @@ SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
 # launched at its start). Each has no register spills on sm_90 and fits shared memory in the plain form (the
 # gate/up form of the larger ones does not, and the chooser skips it there). Written and checked in Triton's
 # interpreter and compiled for sm_90, not yet timed on a GPU: SPECSERVE_GEMV_PERSISTENT=1 lets the chooser time
-# them (with SPECSERVE_GEMV_CHOICES=none where shipped decisions hold the 4-row shapes).
+# them (and, being a chooser switch, sets the shipped decisions aside).
 PERSISTENT_TILES = [Tile(n, k, w, s, swap=n >= 64, persistent=True) for n, k, w, s in
                     ((16, 256, 4, 6), (16, 512, 8, 4), (32, 128, 4, 6), (32, 256, 4, 4), (32, 256, 4, 5),
                      (64, 128, 4, 4), (64, 128, 4, 5))]
