@@ -257,7 +257,7 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
         _print_row(row)
 
     report = {
-        "benchmark": "decode_cpu",
+        "benchmark": f"decode_{engine_config.device}",
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hardware": hw,
         "settings": {
