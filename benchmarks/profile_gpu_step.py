@@ -32,7 +32,8 @@ def cuda_ms(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def top_kernels(fn, limit: int = 12) -> list[dict]:
+def top_kernels(fn, limit: int | None = 12) -> list[dict]:
+    """fn's kernels under torch.profiler, by total device time (the `limit` largest; None: all)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -43,6 +44,26 @@ def top_kernels(fn, limit: int = 12) -> list[dict]:
             rows.append({"kernel": event.key[:90], "calls": event.count, "total_us": round(device_us, 1)})
     rows.sort(key=lambda r: -r["total_us"])
     return rows[:limit]
+
+
+# Kernel families by name, first match wins; the rest (PyTorch's small kernels: sorts, gathers, copies) is "other".
+KERNEL_GROUPS = {"Triton GEMV": ("_gemv_",), "cuBLAS": ("gemm", "nvjet", "cutlass", "xmma"),
+                 "top-k": ("topk",), "attention": ("_partial_kernel", "_merge_kernel", "attention", "flash"),
+                 "norm, rotary, KV store, SiLU": ("rms", "rotary", "silu", "_norm", "store_kv"),
+                 "follow": ("_follow_kernel",)}
+
+
+def kernel_groups(rows: list[dict]) -> dict[str, dict]:
+    """`top_kernels(fn, limit=None)` summed by family: calls and device microseconds. Under PDL kernels overlap,
+    so the sums can exceed the step's time; they still show where it goes."""
+    groups: dict[str, dict] = {}
+    for row in rows:
+        name = row["kernel"].lower()
+        group = next((g for g, keys in KERNEL_GROUPS.items() if any(k in name for k in keys)), "other")
+        total = groups.setdefault(group, {"calls": 0, "total_us": 0.0})
+        total["calls"] += row["calls"]
+        total["total_us"] = round(total["total_us"] + row["total_us"], 1)
+    return groups
 
 
 def decode_replays(runner, batch: int, context: int, page_size: int) -> dict:

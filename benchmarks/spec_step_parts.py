@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from profile_gpu_step import cuda_ms, top_kernels
+from profile_gpu_step import cuda_ms, kernel_groups, top_kernels
 from specserve.bench.decode import hardware_info
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.factory import build_engine_core
@@ -93,8 +93,10 @@ def measure(spec: SpecConfig, context: int, repeats: int, kernels: bool) -> dict
         parts = (chain_parts if spec.eagle_topk == 1 else tree_parts)(program, n)
         parts["plain decode step"] = plain_step(runner, context, BASE.cache.page_size)
         times = {name: round(cuda_ms(fn, repeats), 4) for name, fn in parts.items()}
-        if kernels:  # each part's kernels inside its graph, by total device time
-            times["kernels"] = {name: top_kernels(fn, limit=25) for name, fn in parts.items()}
+        if kernels:  # each part's kernels inside its graph, by total device time, and by family
+            listed = {name: top_kernels(fn, limit=None) for name, fn in parts.items()}
+            times["kernels"] = {name: rows[:25] for name, rows in listed.items()}
+            times["kernel_groups"] = {name: kernel_groups(rows) for name, rows in listed.items()}
     drafting = next(v for k, v in times.items() if k.startswith("draft"))
     verify = next(v for k, v in times.items() if k.startswith("verify"))
     times["verify - plain"] = round(verify - times["plain decode step"], 4)

@@ -38,7 +38,7 @@ def _best(x, index, after, sentinel):
 
 
 @triton.jit
-def _chunk_kernel(X, PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, stride_row, vocab: tl.constexpr,
+def _topk_chunk_kernel(X, PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, stride_row, vocab: tl.constexpr,
                   K: tl.constexpr, BLOCK: tl.constexpr):
     """One block of one row: its max, its sum of exp(x - max) and its k best entries."""
     row, chunk = tl.program_id(0), tl.program_id(1)
@@ -59,7 +59,7 @@ def _chunk_kernel(X, PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, stride_row, 
 
 
 @triton.jit
-def _merge_kernel(PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, VALUES, INDICES, vocab: tl.constexpr,
+def _topk_merge_kernel(PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, VALUES, INDICES, vocab: tl.constexpr,
                   K: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, CANDIDATES_P2: tl.constexpr):
     """One row: the log-sum-exp from the blocks' parts, then the k best of the blocks' candidates."""
     row = tl.program_id(0)
@@ -93,9 +93,9 @@ def fused_log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     part_sum = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     indices = torch.empty(rows, k, dtype=torch.int64, device=device)
-    _chunk_kernel[(rows, chunks)](logits, part_values, part_indices, part_max, part_sum, logits.stride(0),
+    _topk_chunk_kernel[(rows, chunks)](logits, part_values, part_indices, part_max, part_sum, logits.stride(0),
                                   vocab=vocab, K=k, BLOCK=BLOCK, num_warps=4)
-    _merge_kernel[(rows,)](part_values, part_indices, part_max, part_sum, values, indices, vocab=vocab, K=k,
+    _topk_merge_kernel[(rows,)](part_values, part_indices, part_max, part_sum, values, indices, vocab=vocab, K=k,
                            CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
                            CANDIDATES_P2=triton.next_power_of_2(chunks * k), num_warps=1)
     return values, indices
