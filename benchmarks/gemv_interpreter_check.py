@@ -1,7 +1,8 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
-either norm form), at 1, 3 and 16 rows, rows-left and swapped tiles, shapes that divide the tiles and shapes
-that do not, widths within one step of the main loop and over several. For checking kernel changes on a machine without
+either norm form), at 1, 3 and 16 rows, rows-left, swapped and persistent tiles (the persistent ones also with
+1 and 3 programs, so that programs take several tiles and some run past the last), shapes that divide the
+tiles and shapes that do not, widths within one step of the main loop and over several. For checking kernel changes on a machine without
 a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs `pip install triton` (its CPU wheel runs the
 interpreter). fp16: the interpreter's bf16 dot is wrong.
 
@@ -20,7 +21,7 @@ import sys
 
 import torch
 
-from specserve.layers import triton_gemv, triton_pdl
+from specserve.layers import triton_gemv
 
 # fp16 inputs and outputs, fp32 accumulation: one fp16 step is ~1e-3 of a value (0.004 at 4-8; the gate/up
 # products reach the hundreds), so the bound is relative, plus a floor for values near zero.
@@ -32,22 +33,24 @@ def interpreter_range(*bounds):
     return builtins.range(*(int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(b) for b in bounds))
 
 
-def forms(x, weight, gamma, residual, tile):
-    """Each form's output and its fp32 reference."""
+def forms(x, weight, gamma, residual, tile, programs=None):
+    """Each form's output and its fp32 reference (`programs`: a persistent tile's grid)."""
     xf, wf = x.float(), weight.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
     moved = (wf * gamma.float()).to(weight.dtype)
-    yield "plain", triton_gemv.gemv(x, weight, tile), xf @ wf.T
-    yield "add", triton_gemv.gemv(x, weight, tile, residual=residual), xf @ wf.T + residual.float()
-    yield "norm, weight in kernel", triton_gemv.gemv(x, weight, tile, gamma, 1e-5), normed @ wf.T
-    yield "norm, weight moved", triton_gemv.gemv(x, moved, tile, eps=1e-5, norm=True), normed @ wf.T
+
+    def gemv(w, *args, **kwargs):
+        return triton_gemv.gemv(x, w, tile, *args, programs=programs, **kwargs)
+
+    yield "plain", gemv(weight), xf @ wf.T
+    yield "add", gemv(weight, residual=residual), xf @ wf.T + residual.float()
+    yield "norm, weight in kernel", gemv(weight, gamma, 1e-5), normed @ wf.T
+    yield "norm, weight moved", gemv(moved, eps=1e-5, norm=True), normed @ wf.T
     if weight.shape[0] % 2 == 0:
         for name, out, product in (
-                ("gate/up", triton_gemv.gemv(x, weight, tile, gate_up=True), xf @ wf.T),
-                ("gate/up, norm weight in kernel", triton_gemv.gemv(x, weight, tile, gamma, 1e-5, gate_up=True),
-                 normed @ wf.T),
-                ("gate/up, norm moved", triton_gemv.gemv(x, moved, tile, eps=1e-5, gate_up=True, norm=True),
-                 normed @ wf.T)):
+                ("gate/up", gemv(weight, gate_up=True), xf @ wf.T),
+                ("gate/up, norm weight in kernel", gemv(weight, gamma, 1e-5, gate_up=True), normed @ wf.T),
+                ("gate/up, norm moved", gemv(moved, eps=1e-5, gate_up=True, norm=True), normed @ wf.T)):
             gate, up = product.to(x.dtype).float().chunk(2, dim=-1)
             yield name, out, torch.nn.functional.silu(gate) * up
 
@@ -57,21 +60,22 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     triton_gemv.range = interpreter_range
-    triton_pdl.launch_options = lambda tensor: {"PDL": False}  # no programmatic dependent launch on a CPU
     torch.manual_seed(0)
     results = []
     for rows in (1, 3, 16):
         tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
-            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3]]
+            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3],
+            triton_gemv.PERSISTENT_TILES[2], triton_gemv.PERSISTENT_TILES[5]]
         for out_features, width in ((96, 64), (128, 512), (100, 600)):
             weight = (torch.randn(out_features, width) / width**0.5).half()
             x = (torch.randn(rows, width) * 5).half()
             gamma = (torch.rand(width) + 0.5).half()
             residual = torch.randn(rows, out_features).half()
-            for tile in tiles:
-                for form, out, reference in forms(x, weight, gamma, residual, tile):
+            for tile, programs in [(t, p) for t in tiles for p in ((None, 1, 3) if t.persistent else (None,))]:
+                for form, out, reference in forms(x, weight, gamma, residual, tile, programs):
                     error = (out.float() - reference).abs()
-                    results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile), "form": form,
+                    results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile),
+                                    "programs": programs, "form": form,
                                     "max_abs_error": round(error.max().item(), 5),
                                     "largest_value": round(reference.abs().max().item(), 2),
                                     "ok": bool((error <= ATOL + RTOL * reference.abs()).all())})

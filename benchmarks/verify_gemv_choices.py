@@ -106,7 +106,7 @@ def main() -> None:
     args = p.parse_args()
     if args.save_choices and not args.descend:
         p.error("--save-choices needs --descend")
-    if triton_gemv.CHOICES_FILE != "shipped" and triton_gemv.CHOICES_FILE.strip().lower() not in triton_gemv.NO_FILE:
+    if triton_gemv.Choice(triton_gemv.CHOICES_FILE).saved not in (None, "shipped"):
         p.error("unset SPECSERVE_GEMV_CHOICES: this benchmark times the decisions itself")
     triton_gemv.choice = triton_gemv.Choice()  # no shipped decisions: the variants and the descent start from timings
     triton_gemv.SWAP_CANDIDATES = triton_gemv.SWAP_IN_FOLDS = True

@@ -278,7 +278,7 @@ def _load_w_rows(w_rows, k, n_ok, K, EVEN_K: tl.constexpr):
     along K, so the loads still vectorise."""
     if EVEN_K:
         return tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    return _load_w(w_rows, k, n_ok, K, False)
 
 
 @triton.jit
@@ -308,27 +308,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    even = width % tile.block_k == 0 and out_features % tile.block_n == 0
     tiles = triton.cdiv(out_features, tile.block_n)
+    # What both kernels take: the operands, their sizes and strides, and the call's form.
+    operands = (x, weight, out, norm_weight if norm_weight is not None else weight,
+                residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
+                out.stride(0), residual.stride(0) if residual is not None else 0, eps)
+    form = dict(ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
+                ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+                num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     if tile.persistent and rows > 1 and width > tile.block_k:
         grid = min(tiles, programs or _sm_count(x.device))
-        _gemv_persistent_kernel[(grid,)](
-            x, weight, out, norm_weight if norm_weight is not None else weight,
-            residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
-            out.stride(0), residual.stride(0) if residual is not None else 0, eps, grid, ROWS=MAX_ROWS,
-            SWAP=tile.swap, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
-            ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=width % tile.block_k == 0,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
-        return out
-    _gemv_kernel[(tiles,)](
-        x, weight, out, norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
-        out.stride(0), residual.stride(0) if residual is not None else 0, eps,
-        _trigger_column(width, tile.block_k, TRIGGER_AT), ROWS=MAX_ROWS,
-        ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm or norm_weight is not None,
-        GAMMA_ON=norm_weight is not None,
-        ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN=even, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, LATE_TRIGGER=LATE_TRIGGER, **triton_pdl.launch_options(x))
+        _gemv_persistent_kernel[(grid,)](*operands, grid, SWAP=tile.swap, EVEN=width % tile.block_k == 0, **form)
+    else:
+        even = width % tile.block_k == 0 and out_features % tile.block_n == 0
+        _gemv_kernel[(tiles,)](*operands, _trigger_column(width, tile.block_k, TRIGGER_AT), ONE_ROW=rows == 1,
+                               SWAP=tile.swap and rows > 1, EVEN=even, LATE_TRIGGER=LATE_TRIGGER, **form)
     return out
 
 
