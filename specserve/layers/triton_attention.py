@@ -99,14 +99,18 @@ def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
                                   scale, D, IEEE, False)
     if TAIL_PAD > 0:
         # Draft-tree rows: after the shared context, the slots of each row's ancestors and its own, listed
-        # per row (scattered, so not reachable through the page table). The first slice takes them.
+        # per row (scattered, so not reachable through the page table). Each row's tail is one block for one
+        # slice, dealt from the last slice down: the last slices hold the least context, and one slice taking
+        # every row's tail (17 blocks one after another for a 16-node tree) held the whole launch up.
         t = tl.arange(0, TAIL_PAD)
+        splits = tl.num_programs(2)
         for r in tl.static_range(ROWS):
-            valid = (t < tl.load(TAIL_LENS + seq * ROWS + r)) & (split == 0)
-            slot = tl.load(TAIL + (seq * ROWS + r) * stride_tail + t, mask=valid, other=0).to(tl.int64)
-            see = (row == r)[:, None] & valid[None, :]
-            m, l, acc = _attend_block(q, K, V, slot, valid, see, kv_head, stride_ks, stride_kh, m, l, acc, scale,
-                                      D, IEEE, True)
+            if (splits - 1 - split) == r % splits:
+                valid = t < tl.load(TAIL_LENS + seq * ROWS + r)
+                slot = tl.load(TAIL + (seq * ROWS + r) * stride_tail + t, mask=valid, other=0).to(tl.int64)
+                see = (row == r)[:, None] & valid[None, :]
+                m, l, acc = _attend_block(q, K, V, slot, valid, see, kv_head, stride_ks, stride_kh, m, l, acc,
+                                          scale, D, IEEE, True)
     has = l > 0
     out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
     out_offs = OUT + rows[:, None] * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
