@@ -566,7 +566,7 @@ def test_fused_norm_and_rotary_store_match_the_eager_math(dtype):
     assert not cache[:, untouched.cuda()].any()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (4096, 4096), (1000, 200)])
 def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
     """Every tile shape the chooser may pick, plain and in the gate/up form (SiLU-and-multiply applied to the
@@ -637,8 +637,7 @@ def _every_tile(rows: int):
 
     if rows == 1:
         return triton_gemv.ONE_ROW_TILES
-    fma = triton_gemv.FMA_TILES if rows <= triton_gemv.FMA_MAX_ROWS else []
-    return triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.PERSISTENT_TILES + fma
+    return triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.PERSISTENT_TILES
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):
@@ -654,7 +653,7 @@ def _gate_up_or_none(x, weight, tile, **kwargs):
         return None
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("shape", [(960, 576), (4096, 4096), (1000, 200)])
 def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     """gemv(x, W, norm_weight, residual) = W @ RMSNorm(x) + residual, for every tile, against the unfused

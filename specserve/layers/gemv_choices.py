@@ -31,7 +31,6 @@ class Tile:
     num_stages: int
     swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton_gemv._product)
     persistent: bool = False  # several rows: one program per SM (see triton_gemv._gemv_persistent_kernel)
-    fma: bool = False  # a few rows on CUDA cores, as one row runs (see triton_gemv._product)
 
 
 SHIPPED_DIR = Path(__file__).parent / "gemv_decisions"

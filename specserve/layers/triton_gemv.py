@@ -72,17 +72,6 @@ PERSISTENT_TILES = [Tile(n, k, w, s, swap=n >= 64, persistent=True) for n, k, w,
                     ((16, 256, 4, 6), (16, 512, 8, 4), (32, 128, 4, 6), (32, 256, 4, 4), (32, 256, 4, 5),
                      (64, 128, 4, 4), (64, 128, 4, 5))]
 PERSISTENT_CANDIDATES = os.environ.get("SPECSERVE_GEMV_PERSISTENT", "0") == "1"
-# A few rows the way one row runs (Tile.fma): each row's FMAs on CUDA cores, their sums at the end, and the next
-# kernel launched at the start. The dot tiles above pad the rows to 16 for the tensor cores and, timed alone on
-# the H200, took 2-5 us more a call at 2-4 rows than one row does (a 4096 x 4096 weight: 11.9 against 9.3 us),
-# which is the whole of the chain verify's 0.36 ms over a plain step. At 4 rows the FMAs are about a quarter of
-# the weight's copy time on an H200, so the copy still sets the pace. The accumulator holds ROWS x BLOCK_N x
-# BLOCK_K floats (the gate/up form two), so the tiles are small. SPECSERVE_GEMV_FMA_TILES=1 lets the chooser
-# time them at up to FMA_MAX_ROWS rows.
-FMA_TILES = [Tile(n, k, w, s, fma=True) for n, k, w, s in
-             ((2, 512, 4, 4), (4, 256, 4, 3), (4, 256, 4, 5), (4, 512, 8, 4), (8, 128, 4, 5), (8, 256, 8, 4))]
-FMA_MAX_ROWS = 8
-FMA_CANDIDATES = os.environ.get("SPECSERVE_GEMV_FMA_TILES", "0") == "1"
 # They are not timed for forms that scale x by a folded norm's weight: timed alone those won at 2-16 rows, yet on
 # the H200 a 4-row chain verify took 4.55 ms with them against 4.44 with those norms as kernels of their own
 # and swapped tiles elsewhere (benchmarks/verify_gemv_choices.py; the tree's 16-row verify took 5.22 ms either
@@ -94,7 +83,7 @@ SWAP_IN_FOLDS = False
 # Eager calls take any row count (one form for one row, one for several); where the trigger falls is a value.
 @triton.jit(do_not_specialize=["M", "trigger_k"])
 def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
-                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
+                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
                  NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,9 +95,7 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
     else:
-        if FMA:
-            acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-        elif SWAP:
+        if SWAP:
             acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
         else:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -122,22 +109,22 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
     else:
         w_up = w
     if PDL:
-        if ONE_ROW or FMA or not LATE_TRIGGER:
+        if ONE_ROW or not LATE_TRIGGER:
             gdc_launch_dependents()
         gdc_wait()
     acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW,
-                                       FMA, SWAP, GATE_UP, NORM, GAMMA_ON)
+                                       SWAP, GATE_UP, NORM, GAMMA_ON)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
             w_up = _load_w(up_rows, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
-                                           ONE_ROW, FMA, SWAP, GATE_UP, NORM, GAMMA_ON)
-        if PDL and not (ONE_ROW or FMA) and LATE_TRIGGER:
+                                           ONE_ROW, SWAP, GATE_UP, NORM, GAMMA_ON)
+        if PDL and not ONE_ROW and LATE_TRIGGER:
             if k0 == trigger_k:  # (compiled for sm_90, the loop's loads stay pipelined with this inside it)
                 gdc_launch_dependents()
-    if PDL and not (ONE_ROW or FMA) and LATE_TRIGGER:
+    if PDL and not ONE_ROW and LATE_TRIGGER:
         if trigger_k >= K:
             gdc_launch_dependents()
     if ONE_ROW:
@@ -154,9 +141,6 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
-        if FMA:  # each row's products summed over the tile's columns, as one row's are
-            acc = tl.sum(acc, 2)
-            acc_up = tl.sum(acc_up, 2)
         _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP, GATE_UP, NORM,
                     ADD)
 
@@ -197,7 +181,7 @@ def _gemv_persistent_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn
         gdc_launch_dependents()
         gdc_wait()
     acc, acc_up, squares = _accumulate(zero, zero, no_squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, False,
-                                       False, SWAP, GATE_UP, NORM, GAMMA_ON)
+                                       SWAP, GATE_UP, NORM, GAMMA_ON)
     for step in range(1, steps):
         k_step = step % k_steps
         n = (pid + (step // k_steps) * programs) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -208,7 +192,7 @@ def _gemv_persistent_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn
         if GATE_UP:
             w_up = _load_w_rows(w_rows + N * stride_wn, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, False,
-                                           False, SWAP, GATE_UP, NORM, GAMMA_ON)
+                                           SWAP, GATE_UP, NORM, GAMMA_ON)
         if k_step == k_steps - 1:
             _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP, GATE_UP,
                         NORM, ADD)
@@ -237,12 +221,11 @@ def _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, str
 
 @triton.jit
 def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
-                FMA: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr,
-                GAMMA_ON: tl.constexpr):
+                SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
     x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, NORM, GAMMA_ON)
-    acc = _product(acc, w, x, ONE_ROW, FMA, SWAP)
+    acc = _product(acc, w, x, ONE_ROW, SWAP)
     if GATE_UP:
-        acc_up = _product(acc_up, w_up, x, ONE_ROW, FMA, SWAP)
+        acc_up = _product(acc_up, w_up, x, ONE_ROW, SWAP)
     return acc, acc_up, squares
 
 
@@ -272,11 +255,9 @@ def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.con
 
 
 @triton.jit
-def _product(acc, w, x, ONE_ROW: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr):
+def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
     if ONE_ROW:  # FMAs on CUDA cores, summed over the tile's columns at the end
         acc += w.to(tl.float32) * x[None, :]
-    elif FMA:  # the same for each of a few rows: [ROWS, BLOCK_N, BLOCK_K]
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     elif SWAP:  # the weight tile as the dot's left operand: [BLOCK_N, BLOCK_K] @ [BLOCK_K, ROWS]
         acc += tl.dot(w, tl.trans(x))
     else:
@@ -340,12 +321,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         _gemv_persistent_kernel[(grid,)](*operands, grid, SWAP=tile.swap, EVEN=width % tile.block_k == 0, **form)
     else:
         even = width % tile.block_k == 0 and out_features % tile.block_n == 0
-        fma = tile.fma and rows > 1
-        if fma:  # the rows padded to their bucket, not to the dot's 16
-            form["ROWS"] = triton.next_power_of_2(rows)
         _gemv_kernel[(tiles,)](*operands, _trigger_column(width, tile.block_k, TRIGGER_AT), ONE_ROW=rows == 1,
-                               FMA=fma, SWAP=tile.swap and rows > 1 and not fma, EVEN=even,
-                               LATE_TRIGGER=LATE_TRIGGER, **form)
+                               SWAP=tile.swap and rows > 1, EVEN=even, LATE_TRIGGER=LATE_TRIGGER, **form)
     return out
 
 
@@ -489,7 +466,7 @@ def chooser_at_defaults() -> bool:
     folded and their weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and not PERSISTENT_CANDIDATES and not FMA_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
+    return (SWAP_CANDIDATES and not PERSISTENT_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
             and TRIGGER_AT == 1.0 and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
@@ -510,8 +487,7 @@ def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True) -> list[T
         return ONE_ROW_TILES
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
     persistent = [t for t in PERSISTENT_TILES if swapped or not t.swap] if PERSISTENT_CANDIDATES else []
-    fma = FMA_TILES if FMA_CANDIDATES and rows <= FMA_MAX_ROWS else []
-    return ROWS_TILES + (SWAP_TILES if swapped else []) + persistent + fma
+    return ROWS_TILES + (SWAP_TILES if swapped else []) + persistent
 
 
 def decide_all(module: torch.nn.Module) -> None:
