@@ -1,8 +1,7 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
-either norm form), at 1, 3 and 16 rows, rows-left, swapped and persistent tiles (the persistent ones also with
-1 and 3 programs, so that programs take several tiles and some run past the last), shapes that divide the
-tiles and shapes that do not, widths within one step of the main loop and over several. For checking kernel changes on a machine without
+either norm form), at 1, 3 and 16 rows, rows-left and swapped tiles, shapes that divide the tiles and shapes
+that do not, widths within one step of the main loop and over several. For checking kernel changes on a machine without
 a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs `pip install triton` (its CPU wheel runs the
 interpreter). fp16: the interpreter's bf16 dot is wrong.
 
@@ -33,14 +32,14 @@ def interpreter_range(*bounds):
     return builtins.range(*(int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(b) for b in bounds))
 
 
-def forms(x, weight, gamma, residual, tile, programs=None):
-    """Each form's output and its fp32 reference (`programs`: a persistent tile's grid)."""
+def forms(x, weight, gamma, residual, tile):
+    """Each form's output and its fp32 reference."""
     xf, wf = x.float(), weight.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
     moved = (wf * gamma.float()).to(weight.dtype)
 
     def gemv(w, *args, **kwargs):
-        return triton_gemv.gemv(x, w, tile, *args, programs=programs, **kwargs)
+        return triton_gemv.gemv(x, w, tile, *args, **kwargs)
 
     yield "plain", gemv(weight), xf @ wf.T
     yield "add", gemv(weight, residual=residual), xf @ wf.T + residual.float()
@@ -64,18 +63,16 @@ def main() -> None:
     results = []
     for rows in (1, 3, 16):
         tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
-            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3],
-            triton_gemv.PERSISTENT_TILES[2], triton_gemv.PERSISTENT_TILES[5]]
+            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3]]
         for out_features, width in ((96, 64), (128, 512), (100, 600)):
             weight = (torch.randn(out_features, width) / width**0.5).half()
             x = (torch.randn(rows, width) * 5).half()
             gamma = (torch.rand(width) + 0.5).half()
             residual = torch.randn(rows, out_features).half()
-            for tile, programs in [(t, p) for t in tiles for p in ((None, 1, 3) if t.persistent else (None,))]:
-                for form, out, reference in forms(x, weight, gamma, residual, tile, programs):
+            for tile in tiles:
+                for form, out, reference in forms(x, weight, gamma, residual, tile):
                     error = (out.float() - reference).abs()
-                    results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile),
-                                    "programs": programs, "form": form,
+                    results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile), "form": form,
                                     "max_abs_error": round(error.max().item(), 5),
                                     "largest_value": round(reference.abs().max().item(), 2),
                                     "ok": bool((error <= ATOL + RTOL * reference.abs()).all())})

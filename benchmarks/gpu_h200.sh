@@ -10,17 +10,13 @@
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
 # pending (only when named): the GPU tests and timings of what was written but has not run on a GPU yet.
-# persistent (only when named): the persistent several-row GEMV tiles (SPECSERVE_GEMV_PERSISTENT, off by
-# default) off and on, every decision timed in its process: the batch-1 step parts (with each part's kernels, for
-# where the tree's verify spends its time beyond the GEMVs) and end to end, then the verify's descent with them
-# among the candidates.
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with a fresh descent's GEMV decisions
 # (SPECSERVE_GEMV_CHOICES; the H200's shipped ones by default), SPECSERVE_FUSED_TOPK (on by default) and
 # SPECSERVE_GEMV_TRIGGER_AT (default 1).
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending] [persistent]
+#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,22 +131,14 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # The GEMV match test (it now times a chooser of its own, and takes the persistent tiles too), the persistent
-  # tiles' own test, the shipped decisions' test (now with the switches) and the fused top-k (a NaN guard since).
-  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
-    -k "triton_gemv_matches_cublas or persistent or shipped or fused_log_softmax or fused-topk" 2>&1 \
+  # The GEMV's launch (one kernel again, the persistent form removed) under its match and fold tests, the
+  # shipped decisions' test, and batch-1 step parts and decode end to end.
+  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "triton_gemv or shipped" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
-fi
-if [[ $modes == *" persistent "* ]]; then
-  for on in 0 1; do
-    SPECSERVE_GEMV_CHOICES=none SPECSERVE_GEMV_PERSISTENT=$on python3 benchmarks/spec_step_parts.py --kernels \
-      --out "$OUT/spec_step_parts_persistent$on.json"
-    SPECSERVE_GEMV_CHOICES=none SPECSERVE_GEMV_PERSISTENT=$on python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
-      --setups plain "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
-      --out "$OUT/spec_persistent$on.json"
-  done
-  SPECSERVE_GEMV_PERSISTENT=1 python3 benchmarks/verify_gemv_choices.py --descend 3 \
-    --save-choices "$OUT/gemv_choices_persistent_h200.json" --out "$OUT/verify_gemv_persistent_h200.json"
+  python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_pending.json"
+  python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
+    --setups plain "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
+    --out "$OUT/spec_bs1_pending.json"
 fi
 if want agreement; then
   # Greedy output with and without speculation in bf16: the 8B shape (random weights and head), then SmolLM2 with

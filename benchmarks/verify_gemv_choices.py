@@ -39,10 +39,9 @@ def best_of(timings: dict[str, float], allowed) -> Tile | None:
 
 def four_row_forms(timings: dict) -> list[dict]:
     """Each 4-row key's timings alone (microseconds): cuBLAS, the best tile with the rows as the dot's left
-    operand, the best with the weight there (swapped), and the best persistent one (where they were timed)."""
-    tiles = {str(t): t for t in triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.PERSISTENT_TILES}
-    forms = {"rows_left": lambda t: not t.swap and not t.persistent, "swapped": lambda t: t.swap and not t.persistent,
-             "persistent": lambda t: t.persistent}
+    operand, and the best with the weight there (swapped)."""
+    tiles = {str(t): t for t in triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES}
+    forms = {"rows_left": lambda t: not t.swap, "swapped": lambda t: t.swap}
     rows = []
     for (shape, _, rows_bucket, gate_up, norm, gamma), times in timings.items():
         if rows_bucket == ROWS:

@@ -599,45 +599,13 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
     assert "cublas" in choice.timings[choice.key(x, weight)]
 
 
-@pytest.mark.parametrize("programs", [1, 3, 7])
-def test_persistent_gemv_tiles_cover_every_output_with_few_programs(programs):
-    """The persistent form with fewer programs than tiles: each program takes every programs-th tile, in one
-    loop across their boundaries; where the tiles do not divide among the programs, the busiest one's extra
-    steps are masked out elsewhere. Plain, and gate/up with a norm's weight and a residual, against fp32 math."""
-    import triton
-
-    from specserve.layers import triton_gemv
-
-    torch.manual_seed(programs)
-    for out_features, width in ((1000, 768), (256, 4096)):
-        weight = torch.randn(out_features, width, device="cuda", dtype=torch.bfloat16) / width ** 0.5
-        x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
-        gamma = torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
-        residual = torch.randn(4, out_features // 2, device="cuda", dtype=torch.bfloat16)
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
-        gate, up = (normed @ weight.float().T).chunk(2, dim=-1)
-        gated_tiles = 0
-        for tile in triton_gemv.PERSISTENT_TILES:
-            out = triton_gemv.gemv(x, weight, tile, programs=programs)
-            torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=2e-2, rtol=2e-2)
-            try:
-                out = triton_gemv.gemv(x, weight, tile, norm_weight=gamma, eps=1e-5, residual=residual, gate_up=True,
-                                       programs=programs)
-            except triton.runtime.errors.OutOfResources:  # two weight tiles outgrow shared memory
-                continue
-            torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up + residual.float(),
-                                       atol=3e-2, rtol=3e-2)
-            gated_tiles += 1
-        assert gated_tiles >= 3
-
-
 def _every_tile(rows: int):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not."""
     from specserve.layers import triton_gemv
 
     if rows == 1:
         return triton_gemv.ONE_ROW_TILES
-    return triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.PERSISTENT_TILES
+    return triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

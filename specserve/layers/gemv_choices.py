@@ -30,7 +30,6 @@ class Tile:
     num_warps: int
     num_stages: int
     swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton_gemv._product)
-    persistent: bool = False  # several rows: one program per SM (see triton_gemv._gemv_persistent_kernel)
 
 
 SHIPPED_DIR = Path(__file__).parent / "gemv_decisions"

@@ -4,8 +4,7 @@ A decode step at batch 1 reads every weight once and does almost no math, so its
 matmul comes to the GPU's memory bandwidth. cuBLAS gets there for wide matrices, but on an H200 it left a
 third of the bandwidth unused on the narrower ones of an 8B Llama (attention output: 4096 x 4096, 2.6 of
 4.3 TB/s timed in a CUDA graph, split over K with a separate reduction kernel). Here each program owns BLOCK_N output
-features at a time and streams their rows over the whole K, so there is nothing to reduce afterwards
-(the persistent form, for several rows, takes several such tiles in turn, one program per SM). The MLP's
+features at a time and streams their rows over the whole K, so there is nothing to reduce afterwards. The MLP's
 gate/up projection can apply SiLU-and-multiply to its outputs before it stores them (each program takes the
 same features of both halves), which saves that kernel's launch and its trip through memory.
 
@@ -33,7 +32,7 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
 # Kernels of several rows in the grid form let the next kernel launch (PDL) only once their main loop is done (by
-# default; see TRIGGER_AT; the persistent form launches it at its start). Launched at their
+# default; see TRIGGER_AT). Launched at their
 # start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
 # with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up one ran 20-100 us slower
 # in an 8B verify step than alone (benchmarks/verify_gemv_choices.py). SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
@@ -63,15 +62,6 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
-# Several-row tiles in the persistent form (_gemv_persistent_kernel: at most one program per SM, the next kernel
-# launched at its start). Each has no register spills on sm_90 and fits shared memory in the plain form (the
-# gate/up form of the larger ones does not, and the chooser skips it there). Written and checked in Triton's
-# interpreter and compiled for sm_90, not yet timed on a GPU: SPECSERVE_GEMV_PERSISTENT=1 lets the chooser time
-# them (and, being a chooser switch, sets the shipped decisions aside).
-PERSISTENT_TILES = [Tile(n, k, w, s, swap=n >= 64, persistent=True) for n, k, w, s in
-                    ((16, 256, 4, 6), (16, 512, 8, 4), (32, 128, 4, 6), (32, 256, 4, 4), (32, 256, 4, 5),
-                     (64, 128, 4, 4), (64, 128, 4, 5))]
-PERSISTENT_CANDIDATES = os.environ.get("SPECSERVE_GEMV_PERSISTENT", "0") == "1"
 # They are not timed for forms that scale x by a folded norm's weight: timed alone those won at 2-16 rows, yet on
 # the H200 a 4-row chain verify took 4.55 ms with them against 4.44 with those norms as kernels of their own
 # and swapped tiles elsewhere (benchmarks/verify_gemv_choices.py; the tree's 16-row verify took 5.22 ms either
@@ -143,60 +133,6 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
     else:
         _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP, GATE_UP, NORM,
                     ADD)
-
-
-@triton.jit(do_not_specialize=["M", "programs"])
-def _gemv_persistent_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
-                            programs, ROWS: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr,
-                            GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """Several rows with at most one program per SM: program p takes output tiles p, p + P, p + 2P, ... of the
-    P programs, in one flat loop over (tile, column block), so its weight loads stay pipelined across the
-    tiles' boundaries. It lets the next kernel launch at its start, as the one-row form does. The grid form
-    cannot: its next kernel's blocks would fill the SMs it leaves free and wait there, many to an SM (see
-    LATE_TRIGGER); against a grid of one block per SM they find a free slot on every SM alike. Every program
-    runs as many steps as the busiest (a uniform loop bound), its tiles past the last masked out: they read
-    no weights, and the busiest program sets the kernel's time anyway. Needs K > BLOCK_K: a tile is stored
-    inside the loop, after its last column block, which a single block would never reach. EVEN: K divides
-    into BLOCK_K (tiles past N are masked either way)."""
-    pid = tl.program_id(0)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    steps = tl.cdiv(tl.cdiv(N, BLOCK_N), programs) * k_steps
-    m = tl.arange(0, ROWS)
-    if SWAP:
-        zero = tl.zeros([BLOCK_N, ROWS], tl.float32)
-    else:
-        zero = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    no_squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    w_rows = W + n.to(tl.int64)[:, None] * stride_wn
-    k = tl.arange(0, BLOCK_K)
-    w = _load_w_rows(w_rows, k, n_ok, K, EVEN)  # read while the kernel before finishes
-    if GATE_UP:
-        w_up = _load_w_rows(w_rows + N * stride_wn, k, n_ok, K, EVEN)
-    else:
-        w_up = w
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    acc, acc_up, squares = _accumulate(zero, zero, no_squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, False,
-                                       SWAP, GATE_UP, NORM, GAMMA_ON)
-    for step in range(1, steps):
-        k_step = step % k_steps
-        n = (pid + (step // k_steps) * programs) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        w_rows = W + n.to(tl.int64)[:, None] * stride_wn
-        k = k_step * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = _load_w_rows(w_rows, k, n_ok, K, EVEN)
-        if GATE_UP:
-            w_up = _load_w_rows(w_rows + N * stride_wn, k, n_ok, K, EVEN)
-        acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, False,
-                                           SWAP, GATE_UP, NORM, GAMMA_ON)
-        if k_step == k_steps - 1:
-            _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP, GATE_UP,
-                        NORM, ADD)
-            acc, acc_up, squares = zero, zero, no_squares
 
 
 @triton.jit
@@ -273,15 +209,6 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_w_rows(w_rows, k, n_ok, K, EVEN_K: tl.constexpr):
-    """_load_w with the rows always masked (a persistent program's tiles past the last); the mask is constant
-    along K, so the loads still vectorise."""
-    if EVEN_K:
-        return tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-    return _load_w(w_rows, k, n_ok, K, False)
-
-
-@triton.jit
 def _silu_times(gate, up):
     """silu(gate) * up, rounded where the unfused kernels round (gate and up to the model dtype, as the
     projection stores them; silu(gate); then the product)."""
@@ -292,13 +219,12 @@ def _silu_times(gate, up):
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, residual: torch.Tensor | None = None, gate_up: bool = False,
-         norm: bool = False, programs: int | None = None) -> torch.Tensor:
+         norm: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32. With
     `gate_up`, the weight is [gate; up] and the result is silu(x @ gate^T) * (x @ up^T), [M, N/2]. With `norm_weight`,
     RMSNorm(x) (that weight, `eps`) is multiplied instead of x; with `norm` and no `norm_weight`, x / rms(x),
     for a weight that already holds the norm's (`DecoderLayer.move_norm_weights_into_projections`). `residual`
-    is added to the result: a decoder layer's norms fold into the GEMVs around them (layers/linear.py).
-    `programs` caps a persistent tile's grid (default: the GPU's SM count; tests set fewer)."""
+    is added to the result: a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
     rows = x.shape[0]
     out_features, width = weight.shape
     if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
@@ -308,29 +234,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(out_features, tile.block_n)
-    # What both kernels take: the operands, their sizes and strides, and the call's form.
-    operands = (x, weight, out, norm_weight if norm_weight is not None else weight,
-                residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
-                out.stride(0), residual.stride(0) if residual is not None else 0, eps)
-    form = dict(ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
-                ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-                num_stages=tile.num_stages, **triton_pdl.launch_options(x))
-    if tile.persistent and rows > 1 and width > tile.block_k:
-        grid = min(tiles, programs or _sm_count(x.device))
-        _gemv_persistent_kernel[(grid,)](*operands, grid, SWAP=tile.swap, EVEN=width % tile.block_k == 0, **form)
-    else:
-        even = width % tile.block_k == 0 and out_features % tile.block_n == 0
-        _gemv_kernel[(tiles,)](*operands, _trigger_column(width, tile.block_k, TRIGGER_AT), ONE_ROW=rows == 1,
-                               SWAP=tile.swap and rows > 1, EVEN=even, LATE_TRIGGER=LATE_TRIGGER, **form)
+    _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
+        x, weight, out, norm_weight if norm_weight is not None else weight,
+        residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
+        out.stride(0), residual.stride(0) if residual is not None else 0, eps,
+        _trigger_column(width, tile.block_k, TRIGGER_AT), ROWS=MAX_ROWS, ONE_ROW=rows == 1,
+        SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm or norm_weight is not None,
+        GAMMA_ON=norm_weight is not None, ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter, on a CPU
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -461,12 +374,12 @@ class Choice:
 
 def chooser_at_defaults() -> bool:
     """Whether every switch of the chooser and the kernels is at its default: an A/B of one (swapped tiles off,
-    another cuBLAS margin, the persistent tiles on, another trigger) would otherwise be hidden by the shipped
+    another cuBLAS margin, another trigger) would otherwise be hidden by the shipped
     decisions for the shapes they hold. The norm switches count too: the decisions were made with the norms
     folded and their weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and not PERSISTENT_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
+    return (SWAP_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
             and TRIGGER_AT == 1.0 and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
@@ -486,8 +399,7 @@ def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True) -> list[T
     if rows == 1:
         return ONE_ROW_TILES
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
-    persistent = [t for t in PERSISTENT_TILES if swapped or not t.swap] if PERSISTENT_CANDIDATES else []
-    return ROWS_TILES + (SWAP_TILES if swapped else []) + persistent
+    return ROWS_TILES + (SWAP_TILES if swapped else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:
