@@ -299,13 +299,13 @@ def test_placeholder_resolution_kernel_matches_the_torch_form():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 5, 32])
+@pytest.mark.parametrize("splits", [1, 2, 5, 32])
 @pytest.mark.parametrize("rows_per_seq", [1, 3])
 def test_triton_decode_attention_with_tails_matches_the_row_reference(dtype, splits, rows_per_seq):
     """Draft-tree rows: the context through the page table, then a tail of scattered slots (none, one, many),
     against the PyTorch form of the same contract; with rows_per_seq > 1, runs of rows share a sequence's
-    context and one program reads it for all of them. The tails are dealt over the context slices: with 32,
-    some slices hold no context, only a tail."""
+    context and one program reads it for all of them. The tails are dealt over the context slices: with 2,
+    rows wrap around them; with 32, some slices hold no context, only a tail."""
     from specserve.layers.attention import AttentionMetadata, attend_rows
     from specserve.layers.triton_attention import paged_decode_attention
 

@@ -52,3 +52,47 @@ def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
     run = subprocess.run([sys.executable, "-c", _TOPK_IN_INTERPRETER], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+_TAILS_IN_INTERPRETER = """
+import sys
+import torch
+sys.path.insert(0, "benchmarks")
+from gemv_interpreter_check import interpreter_range
+from specserve.layers import triton_attention
+from specserve.layers.attention import AttentionMetadata, attend_rows
+triton_attention.range = interpreter_range
+torch.manual_seed(0)
+page, heads, kv_heads, dim, rows = 16, 8, 2, 32, 6
+for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+    for splits in (1, 2, 5, 32):
+        for per_seq in (1, 3, 6):
+            pool = torch.randn(2, 4096, kv_heads, dim, dtype=dtype)
+            tables = torch.randint(0, 200, (rows // per_seq, 40), dtype=torch.int32).repeat_interleave(per_seq, 0)
+            lens = torch.tensor([1, 17, 300, 640, 64, 5], dtype=torch.int32)[: rows // per_seq]
+            lens = lens.repeat_interleave(per_seq)
+            tails = torch.randint(3200, 4096, (rows, 6))
+            tail_lens = torch.tensor([0, 1, 6, 3, 2, 6], dtype=torch.int32)
+            q = torch.randn(rows, heads, dim, dtype=dtype)
+            meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=tables, seq_lens=lens, page_size=page,
+                                     tail_slots=tails, tail_lens=tail_lens)
+            expected = attend_rows(q.float(), pool.float(), meta, dim**-0.5)
+            out = triton_attention.paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails,
+                                                          tail_lens, per_seq)
+            torch.testing.assert_close(out.float().view(rows, -1), expected, atol=tolerance, rtol=tolerance)
+"""
+
+
+def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
+    # Each tree row's tail is attended by one context slice (dealt from the last one down), which the merge
+    # then weighs with the rest: 1 slice (no merge), 2 (rows wrap around the slices), 5, and 32 (most slices
+    # hold no context, only a tail, or nothing at all for a row), with 1, 3 and 6 rows sharing a context.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _TAILS_IN_INTERPRETER], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -31,9 +31,8 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
-# Kernels of several rows in the grid form let the next kernel launch (PDL) only once their main loop is done (by
-# default; see TRIGGER_AT). Launched at their
-# start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
+# Kernels of several rows let the next kernel launch (PDL) only once their main loop is done (by default; see
+# TRIGGER_AT). Launched at their start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
 # with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up one ran 20-100 us slower
 # in an 8B verify step than alone (benchmarks/verify_gemv_choices.py). SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
 LATE_TRIGGER = os.environ.get("SPECSERVE_GEMV_LATE_TRIGGER", "1") != "0"
