@@ -39,14 +39,13 @@ def best_of(timings: dict[str, float], allowed) -> Tile | None:
 
 def four_row_forms(timings: dict) -> list[dict]:
     """Each 4-row key's timings alone (microseconds): cuBLAS, the best tile with the rows as the dot's left
-    operand, and the best with the weight there (swapped)."""
-    tiles = {str(t): t for t in triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES}
-    forms = {"rows_left": lambda t: not t.swap, "swapped": lambda t: t.swap}
+    operand and the best with the weight there (swapped)."""
+    swapped = {str(tile) for tile in triton_gemv.SWAP_TILES}
     rows = []
     for (shape, _, rows_bucket, gate_up, norm, gamma), times in timings.items():
         if rows_bucket == ROWS:
-            best = {form: min((t for n, t in times.items() if n in tiles and takes(tiles[n])), default=None)
-                    for form, takes in forms.items()}
+            best = {form: min((t for n, t in times.items() if n != "cublas" and (n in swapped) == swap), default=None)
+                    for form, swap in (("rows_left", False), ("swapped", True))}
             rows.append({"weight": list(shape), "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
                          "cublas": round(times["cublas"], 2), **{form: t and round(t, 2) for form, t in best.items()}})
     return rows

@@ -195,3 +195,28 @@ def run_mixed_sampling(engine, prompts: list[list[int]], max_tokens: int = 24) -
         for delta in engine.step():
             outputs[delta.request_id] += delta.new_token_ids
     return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def check_tail_attention(device: str, dtype: torch.dtype, splits: int, rows_per_seq: int, tolerance: float,
+                         heads: int = 32, kv_heads: int = 8, dim: int = 128) -> None:
+    """The Triton decode kernel over draft-tree rows (the context through the page table, then a tail of
+    scattered slots: none, one, many) against the PyTorch form of the same contract, computed in fp32 on the CPU.
+    With rows_per_seq > 1, runs of rows share a sequence's context. On a GPU, or in Triton's interpreter."""
+    from specserve.layers.attention import AttentionMetadata, attend_rows
+    from specserve.layers.triton_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    page, rows = 16, 6
+    pool = torch.randn(2, 4096, kv_heads, dim, device=device, dtype=dtype)
+    seqs = rows // rows_per_seq
+    tables = torch.randint(0, 200, (seqs, 40), dtype=torch.int32, device=device).repeat_interleave(rows_per_seq, 0)
+    lens = torch.tensor([1, 17, 300, 640, 64, 5], dtype=torch.int32, device=device)[:seqs]
+    lens = lens.repeat_interleave(rows_per_seq)
+    tails = torch.randint(3200, 4096, (rows, 6), device=device)
+    tail_lens = torch.tensor([0, 1, 6, 3, 2, 6], dtype=torch.int32, device=device)
+    q = torch.randn(rows, heads, dim, device=device, dtype=dtype)
+    meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=tables.cpu(), seq_lens=lens.cpu(), page_size=page,
+                             tail_slots=tails.cpu(), tail_lens=tail_lens.cpu())
+    reference = attend_rows(q.float().cpu(), pool.float().cpu(), meta, dim**-0.5)
+    ours = paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails, tail_lens, rows_per_seq)
+    torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)

@@ -11,7 +11,7 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from conftest import run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
+from conftest import check_tail_attention, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -306,25 +306,7 @@ def test_triton_decode_attention_with_tails_matches_the_row_reference(dtype, spl
     against the PyTorch form of the same contract; with rows_per_seq > 1, runs of rows share a sequence's
     context and one program reads it for all of them. The tails are dealt over the context slices: with 2,
     rows wrap around them; with 32, some slices hold no context, only a tail."""
-    from specserve.layers.attention import AttentionMetadata, attend_rows
-    from specserve.layers.triton_attention import paged_decode_attention
-
-    torch.manual_seed(0)
-    page, heads, kv_heads, dim, rows = 16, 32, 8, 128, 6
-    pool = torch.randn(2, 4096, kv_heads, dim, device="cuda", dtype=dtype)
-    seqs = rows // rows_per_seq
-    tables = torch.randint(0, 200, (seqs, 40), dtype=torch.int32, device="cuda").repeat_interleave(rows_per_seq, 0)
-    lens = torch.tensor([1, 17, 300, 640, 64, 5], dtype=torch.int32, device="cuda")[:seqs]
-    lens = lens.repeat_interleave(rows_per_seq)
-    tails = torch.randint(3200, 4096, (rows, 6), device="cuda")
-    tail_lens = torch.tensor([0, 1, 6, 3, 2, 6], dtype=torch.int32, device="cuda")
-    q = torch.randn(rows, heads, dim, device="cuda", dtype=dtype)
-    meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=tables.cpu(), seq_lens=lens.cpu(), page_size=page,
-                             tail_slots=tails.cpu(), tail_lens=tail_lens.cpu())
-    reference = attend_rows(q.float().cpu(), pool.float().cpu(), meta, dim**-0.5)
-    ours = paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails, tail_lens, rows_per_seq)
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
+    check_tail_attention("cuda", dtype, splits, rows_per_seq, 1e-4 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("fused_topk", [False, True], ids=["pytorch-topk", "fused-topk"])

@@ -57,29 +57,15 @@ def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
 _TAILS_IN_INTERPRETER = """
 import sys
 import torch
-sys.path.insert(0, "benchmarks")
+sys.path[:0] = ["benchmarks", "tests"]
+from conftest import check_tail_attention
 from gemv_interpreter_check import interpreter_range
 from specserve.layers import triton_attention
-from specserve.layers.attention import AttentionMetadata, attend_rows
 triton_attention.range = interpreter_range
-torch.manual_seed(0)
-page, heads, kv_heads, dim, rows = 16, 8, 2, 32, 6
 for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
     for splits in (1, 2, 5, 32):
         for per_seq in (1, 3, 6):
-            pool = torch.randn(2, 4096, kv_heads, dim, dtype=dtype)
-            tables = torch.randint(0, 200, (rows // per_seq, 40), dtype=torch.int32).repeat_interleave(per_seq, 0)
-            lens = torch.tensor([1, 17, 300, 640, 64, 5], dtype=torch.int32)[: rows // per_seq]
-            lens = lens.repeat_interleave(per_seq)
-            tails = torch.randint(3200, 4096, (rows, 6))
-            tail_lens = torch.tensor([0, 1, 6, 3, 2, 6], dtype=torch.int32)
-            q = torch.randn(rows, heads, dim, dtype=dtype)
-            meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=tables, seq_lens=lens, page_size=page,
-                                     tail_slots=tails, tail_lens=tail_lens)
-            expected = attend_rows(q.float(), pool.float(), meta, dim**-0.5)
-            out = triton_attention.paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails,
-                                                          tail_lens, per_seq)
-            torch.testing.assert_close(out.float().view(rows, -1), expected, atol=tolerance, rtol=tolerance)
+            check_tail_attention("cpu", dtype, splits, per_seq, tolerance, heads=8, kv_heads=2, dim=32)
 """
 
 

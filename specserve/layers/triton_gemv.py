@@ -32,9 +32,10 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16 for the tensor-core dot)
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 would go through TF32 in the dot
 # Kernels of several rows let the next kernel launch (PDL) only once their main loop is done (by default; see
-# TRIGGER_AT). Launched at their start instead, the next kernel's blocks take the SMs these leave free and wait there, so that kernel starts
-# with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up one ran 20-100 us slower
-# in an 8B verify step than alone (benchmarks/verify_gemv_choices.py). SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
+# TRIGGER_AT). Launched at their start instead, the next kernel's blocks take the SMs these leave free and wait
+# there, so that kernel starts with many blocks crowded onto a few SMs: a 4-row down projection after the gate/up
+# one ran 20-100 us slower in an 8B verify step than alone (benchmarks/verify_gemv_choices.py).
+# SPECSERVE_GEMV_LATE_TRIGGER=0 is the A/B.
 LATE_TRIGGER = os.environ.get("SPECSERVE_GEMV_LATE_TRIGGER", "1") != "0"
 # Where in the main loop they trigger, as the fraction of it done (1: after it). Alone, each 2-16-row tile of an
 # 8B shape takes ~2 us more than the one-row form, which triggers at its start; a trigger near the loop's end
@@ -373,13 +374,13 @@ class Choice:
 
 def chooser_at_defaults() -> bool:
     """Whether every switch of the chooser and the kernels is at its default: an A/B of one (swapped tiles off,
-    another cuBLAS margin, another trigger) would otherwise be hidden by the shipped
-    decisions for the shapes they hold. The norm switches count too: the decisions were made with the norms
+    another cuBLAS margin, another trigger) would otherwise be hidden by the shipped decisions for the shapes they
+    hold. The norm switches count too: the decisions were made with the norms
     folded and their weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
-            and TRIGGER_AT == 1.0 and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
+    return (SWAP_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0 and linear.FOLD_NORMS
+            and linear.NORM_IN_WEIGHTS)
 
 
 def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
