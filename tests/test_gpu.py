@@ -585,9 +585,7 @@ def _every_tile(rows: int):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not."""
     from specserve.layers import triton_gemv
 
-    if rows == 1:
-        return triton_gemv.ONE_ROW_TILES
-    return triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
+    return triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):
