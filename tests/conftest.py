@@ -220,3 +220,21 @@ def check_tail_attention(device: str, dtype: torch.dtype, splits: int, rows_per_
     reference = attend_rows(q.float().cpu(), pool.float().cpu(), meta, dim**-0.5)
     ours = paged_decode_attention(q, pool, tables, lens, dim**-0.5, page, splits, tails, tail_lens, rows_per_seq)
     torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
+
+
+def check_argmax(device: str, dtype: torch.dtype) -> None:
+    """The argmax kernels (layers/triton_argmax.py) against torch.argmax: vocabularies of one block, of many and
+    not a multiple of the block, a row stride wider than the row, ties at the top across blocks, a NaN, a row of
+    -inf, and leading dimensions [batch, rows]. On a GPU, or in Triton's interpreter."""
+    from specserve.layers.triton_argmax import argmax
+
+    torch.manual_seed(0)
+    for rows, vocab in ((1, 128256), (4, 32000), (17, 2048), (3, 70), (2, 5000)):
+        logits = (torch.randn(rows, vocab + 3, device=device) * 4).to(dtype)[:, :vocab]
+        logits[0, [vocab - 1, vocab // 2, 5 % vocab]] = logits[0].max() + 1  # a three-way tie: the lowest wins
+        if rows > 2:
+            logits[1, vocab // 3] = float("nan")  # NaN counts as the largest value
+            logits[2] = float("-inf")  # all equal: the first entry
+        expected = logits.float().cpu().argmax(dim=-1)
+        assert torch.equal(argmax(logits).cpu(), expected), (rows, vocab)
+        assert torch.equal(argmax(logits.view(1, rows, vocab)).cpu(), expected.view(1, rows)), (rows, vocab)

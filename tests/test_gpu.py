@@ -11,7 +11,7 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from conftest import check_tail_attention, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
+from conftest import check_argmax, check_tail_attention, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -777,6 +777,22 @@ def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
     logits.copy_(logits.flip(-1))
     graph.replay()
     assert torch.equal(graphed[1], torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_kernels_pick_like_torch_and_replay_in_a_graph(dtype):
+    """The greedy-token kernels against torch.argmax (ties, NaN, -inf rows, strides, leading dimensions), then
+    captured in a CUDA graph and replayed on new logits."""
+    from specserve.layers.triton_argmax import argmax
+
+    check_argmax("cuda", dtype)
+    logits = torch.randn(3, 128256, device="cuda").to(dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = argmax(logits)
+    logits.copy_(logits.flip(-1))
+    graph.replay()
+    assert torch.equal(graphed, logits.argmax(dim=-1))
 
 
 def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing(monkeypatch):

@@ -82,3 +82,27 @@ def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
     run = subprocess.run([sys.executable, "-c", _TAILS_IN_INTERPRETER], env=env, capture_output=True, text=True,
                          timeout=900, cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+_ARGMAX_IN_INTERPRETER = """
+import sys
+import torch
+sys.path[:0] = ["tests"]
+from conftest import check_argmax
+for dtype in (torch.float32, torch.float16):
+    check_argmax("cpu", dtype)
+"""
+
+
+def test_argmax_kernels_in_the_interpreter_pick_like_torch():
+    # The greedy token of each row in two kernels (blocks of a row, then the row): ties to the lowest index
+    # across blocks, NaN as the largest value, rows of -inf, strided rows and leading dimensions.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _ARGMAX_IN_INTERPRETER], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]

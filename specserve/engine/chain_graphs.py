@@ -32,7 +32,7 @@ from tqdm import tqdm
 from specserve.engine.cuda_graphs import batch_buckets, context_buckets
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.sampler import filtered_probs, race
+from specserve.layers.sampler import argmax, filtered_probs, race
 from specserve.sampling_params import SamplingParams
 from specserve.spec.drafters import eagle3_catch_up
 from specserve.spec.simulate import draw_num_accepted
@@ -439,7 +439,7 @@ class ChainGraphs(SpecGraphs):
                  params: list[SamplingParams] | None = None):
         drafts = self._draft(bs, metas)
         logits = self._verify_logits(bs, drafts, metas["verify"])
-        greedy = accept_chain(drafts, logits.argmax(dim=-1), forced, self.limit[:bs])
+        greedy = accept_chain(drafts, argmax(logits), forced, self.limit[:bs])
         if params is None:
             return greedy
         probs = filtered_probs(logits.view(bs * self.width, -1), [p for p in params for _ in range(self.width)])
@@ -455,17 +455,17 @@ class ChainGraphs(SpecGraphs):
         out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], self.catch_pos[:bs].view(-1),
                    metas["catch"], drafter.kv_cache)
         state = out[self.last_row[:bs]]
-        token = head.to_target_ids(head.compute_logits(state).argmax(dim=-1))
+        token = head.to_target_ids(argmax(head.compute_logits(state)))
         drafts = [token]
         for i in range(self.k - 1):
             state = head(embed(token), state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache)
-            token = head.to_target_ids(head.compute_logits(state).argmax(dim=-1))
+            token = head.to_target_ids(argmax(head.compute_logits(state)))
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
     def _verify(self, bs: int, drafts: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The target's argmax after root + each draft [bs, k + 1]; stores their KV and the head's taps."""
-        return self._verify_logits(bs, drafts, meta).argmax(dim=-1)
+        return argmax(self._verify_logits(bs, drafts, meta))
 
     def _verify_logits(self, bs: int, drafts: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The target's logits after root + each draft [bs, k + 1, V]; stores their KV and the head's taps."""

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from specserve.engine.futures import FutureTokens
 from specserve.layers.attention import AttentionMetadata
+from specserve.layers.sampler import argmax
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -117,7 +118,7 @@ class DecodeGraphs:
         if self.record_layers:
             self.records[(bs, n)] = torch.cat([*captured, hidden], dim=-1)
         logits = self.model.compute_logits(hidden)
-        return DecodeOutput(logits, logits.argmax(dim=-1))
+        return DecodeOutput(logits, argmax(logits))
 
     def _pad_inputs(self, bs: int, n: int) -> None:
         """Inputs of a batch of padding rows, for warm-up runs: token 0 at position 0, written to the padding

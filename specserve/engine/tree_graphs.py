@@ -33,7 +33,7 @@ import torch
 from specserve.engine.chain_graphs import SpecGraphs, page_slots, put_where, table_slots
 from specserve.engine.scheduler import StepBatch
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.sampler import filtered_probs, race
+from specserve.layers.sampler import argmax, filtered_probs, race
 from specserve.spec.proposer import search_depth
 from specserve.transfer import tensor_on
 
@@ -183,7 +183,7 @@ class TreeGraphs(SpecGraphs):
         candidates = self._search(bs, n)
         nodes = self._select(bs, *candidates)
         logits = self._verify_logits(bs, n, nodes)
-        best = logits.argmax(dim=-1)
+        best = argmax(logits)
         leaf = self._leaf(bs, nodes, best, forced)
         after = best.gather(1, leaf[:, None])[:, 0]
         if params is not None:
@@ -275,7 +275,7 @@ class TreeGraphs(SpecGraphs):
 
     def _verify(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
         """The target's argmax after every node [bs, N + 1]; stores the nodes' KV and taps in their slots."""
-        return self._verify_logits(bs, n, nodes).argmax(dim=-1)
+        return argmax(self._verify_logits(bs, n, nodes))
 
     def _verify_logits(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
         """The target's logits after every node [bs, N + 1, V]; stores the nodes' KV and taps in their slots."""

@@ -23,6 +23,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     return torch.where(is_greedy, greedy, drawn)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row: argmax over the last dimension. On a GPU two small Triton kernels
+    (layers/triton_argmax.py) take the place of torch.argmax, which spends tens of microseconds on a few rows
+    of a large vocabulary; the graphs of decode and speculative steps use it (SPECSERVE_FUSED_ARGMAX=0 is the
+    A/B switch)."""
+    if logits.is_cuda:
+        from specserve.layers import triton_argmax  # Triton: GPU machines only
+
+        if triton_argmax.ENABLED:
+            return triton_argmax.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def race(weights: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row [N] from weights [N, V] (any scale): the exponential race, argmax of w / E with
     E ~ Exp(1), fresh unless `noise` is given."""
