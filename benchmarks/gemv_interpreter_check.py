@@ -1,6 +1,6 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
-either norm form), at 1, 3 and 16 rows, rows-left and swapped tiles, shapes that divide the tiles and shapes
+either norm form), at 1, 3 and 16 rows, rows-left and swapped tiles (with TMA loads and without), shapes that divide the tiles and shapes
 that do not, widths within one step of the main loop and over several. For checking kernel changes on a machine
 without a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs `pip install triton` (its CPU wheel
 runs the interpreter). fp16: the interpreter's bf16 dot is wrong.
@@ -63,7 +63,8 @@ def main() -> None:
     results = []
     for rows in (1, 3, 16):
         tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
-            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3]]
+            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3],
+            triton_gemv.TMA_TILES[0], triton_gemv.TMA_TILES[4]]
         for out_features, width in ((96, 64), (128, 512), (100, 600)):
             weight = (torch.randn(out_features, width) / width**0.5).half()
             x = (torch.randn(rows, width) * 5).half()

@@ -570,6 +570,7 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
             torch.testing.assert_close(gated.float(), gated_reference, atol=2e-2, rtol=2e-2)
             gated_tiles += 1
     assert gated_tiles >= 5
+    assert rows == 1 or triton_gemv._tma_ok(weight), "the TMA tiles above ran with ordinary loads"
     if rows > 1:  # results only: they cannot show where the trigger fell (tests/test_triton_host.py does)
         monkeypatch.setattr(triton_gemv, "TRIGGER_AT", 0.5)
         for tile in _every_tile(rows):
@@ -585,7 +586,8 @@ def _every_tile(rows: int):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not."""
     from specserve.layers import triton_gemv
 
-    return triton_gemv.ONE_ROW_TILES if rows == 1 else triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
+    return (triton_gemv.ONE_ROW_TILES if rows == 1
+            else triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.TMA_TILES)
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

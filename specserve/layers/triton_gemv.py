@@ -25,6 +25,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+try:  # host-built TMA descriptors (Triton 3.4 on); without them no TMA tile is a candidate
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 from specserve.layers import gemv_choices, triton_pdl
 from specserve.layers.gemv_choices import Tile
 from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
@@ -59,6 +64,13 @@ ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Til
 # rows on the left (above) it is an Ampere-style mma of 16 padded rows, its weight operand in registers.
 SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
+# The swapped form with its weight tiles brought by the Hopper TMA (one bulk copy a stage, into the shared memory
+# the dot reads) instead of loads by every thread. Graph-timed alone on an H200 (benchmarks/gemv_tma_probe.py),
+# the best of these beat every other tile on each 8B shape at 4 and 16 rows, by 0.4-1.9 us a call. Needs sm_90
+# and a weight whose rows start 16-byte aligned; SPECSERVE_GEMV_TMA=0 keeps them out of the chooser.
+TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
+             ((64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 256, 4), (128, 128, 3), (128, 128, 6))]
+TMA_CANDIDATES = os.environ.get("SPECSERVE_GEMV_TMA", "1") == "1"
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
@@ -75,11 +87,17 @@ SWAP_IN_FOLDS = False
 def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
                  ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
                  NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+                 TMA: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    w_rows = W + n.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_rows + N * stride_wn  # GATE_UP: W holds [gate; up], 2N rows, and each program takes both halves
+    if TMA:  # W is a descriptor of the weight, [BLOCK_N, BLOCK_K] boxes, zeros past its edges
+        w_rows = W
+        up_rows = W
+    else:
+        w_rows = W + n.to(tl.int64)[:, None] * stride_wn
+        up_rows = w_rows + N * stride_wn  # GATE_UP: W holds [gate; up], 2N rows; each program takes both halves
     m = tl.arange(0, ROWS)
     if ONE_ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -93,9 +111,9 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
     acc_up = acc
     # The first weight tile does not depend on the kernel before: it is read while that one finishes.
     k = tl.arange(0, BLOCK_K)
-    w = _load_w(w_rows, k, n_ok, K, EVEN)
+    w = _load_w(w_rows, n0, 0, k, n_ok, K, EVEN, TMA)
     if GATE_UP:
-        w_up = _load_w(up_rows, k, n_ok, K, EVEN)
+        w_up = _load_w(up_rows, N + n0, 0, k, n_ok, K, EVEN, TMA)
     else:
         w_up = w
     if PDL:
@@ -106,9 +124,9 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
                                        SWAP, GATE_UP, NORM, GAMMA_ON)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(w_rows, k, n_ok, K, EVEN)
+        w = _load_w(w_rows, n0, k0, k, n_ok, K, EVEN, TMA)
         if GATE_UP:
-            w_up = _load_w(up_rows, k, n_ok, K, EVEN)
+            w_up = _load_w(up_rows, N + n0, k0, k, n_ok, K, EVEN, TMA)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
                                            ONE_ROW, SWAP, GATE_UP, NORM, GAMMA_ON)
         if PDL and not ONE_ROW and LATE_TRIGGER:
@@ -202,7 +220,11 @@ def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
+def _load_w(w_rows, row0, k0, k, n_ok, K, EVEN: tl.constexpr, TMA: tl.constexpr):
+    """The weight tile at rows n (from row0) and columns k (from k0): w_rows is the rows' pointers, or with TMA
+    the weight's descriptor."""
+    if TMA:
+        return w_rows.load([row0, k0])
     if EVEN:  # no masks: the loads vectorise
         return tl.load(w_rows + k[None, :])
     return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -234,16 +256,36 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    tma = tile.tma and rows > 1 and _tma_ok(weight)
+    w = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight
     _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
-        x, weight, out, norm_weight if norm_weight is not None else weight,
+        x, w, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
         out.stride(0), residual.stride(0) if residual is not None else 0, eps,
         _trigger_column(width, tile.block_k, TRIGGER_AT), ROWS=MAX_ROWS, ONE_ROW=rows == 1,
         SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm or norm_weight is not None,
         GAMMA_ON=norm_weight is not None, ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
+        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER, TMA=tma,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     return out
+
+
+def _tma_ok(weight: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover the weight (else its tile runs with ordinary loads): Triton has them,
+    a GPU has the unit (sm_90 on; Triton's interpreter on a CPU runs them too), and the weight's base and rows
+    are 16-byte aligned."""
+    return (TensorDescriptor is not None and _has_tma(weight.device) and weight.data_ptr() % 16 == 0
+            and weight.stride(0) * weight.element_size() % 16 == 0)
+
+
+def _has_tma(device: torch.device) -> bool:
+    return device.type != "cuda" or _sm90_or_later(device.index if device.index is not None else
+                                                   torch.cuda.current_device())
+
+
+@functools.cache
+def _sm90_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,7 +421,7 @@ def chooser_at_defaults() -> bool:
     folded and their weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0 and linear.FOLD_NORMS
+    return (SWAP_CANDIDATES and TMA_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0 and linear.FOLD_NORMS
             and linear.NORM_IN_WEIGHTS)
 
 
@@ -399,7 +441,8 @@ def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True) -> list[T
     if rows == 1:
         return ONE_ROW_TILES
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
-    return ROWS_TILES + (SWAP_TILES if swapped else [])
+    tma = swapped and TMA_CANDIDATES and TensorDescriptor is not None
+    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:
