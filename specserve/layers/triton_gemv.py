@@ -223,11 +223,14 @@ def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
 def _load_w(w_rows, row0, k0, k, n_ok, K, EVEN: tl.constexpr, TMA: tl.constexpr):
     """The weight tile at rows n (from row0) and columns k (from k0): w_rows is the rows' pointers, or with TMA
     the weight's descriptor."""
+    # (if/else all the way: code after a return in a constexpr branch is still compiled, descriptor or not)
     if TMA:
-        return w_rows.load([row0, k0])
-    if EVEN:  # no masks: the loads vectorise
-        return tl.load(w_rows + k[None, :])
-    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = w_rows.load([row0, k0])
+    elif EVEN:  # no masks: the loads vectorise
+        w = tl.load(w_rows + k[None, :])
+    else:
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    return w
 
 
 @triton.jit
