@@ -563,7 +563,10 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
     gated_reference = triton_pointwise.silu_and_mul((x @ weight.T)).float()
     gated_tiles = 0
     for tile in _every_tile(rows):
-        torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
+        plain = _gate_up_or_none(x, weight, tile, gate_up=False)
+        if plain is None and tile.tma:  # a TMA tile too large for this shape's swizzle; the chooser skips it too
+            continue
+        torch.testing.assert_close(plain.float(), reference, atol=2e-2, rtol=2e-2)
         gated = _gate_up_or_none(x, weight, tile)
         if gated is not None:
             assert gated.shape == (rows, shape[0] // 2)
@@ -598,7 +601,7 @@ def _gate_up_or_none(x, weight, tile, **kwargs):
     from specserve.layers import triton_gemv
 
     try:
-        return triton_gemv.gemv(x, weight, tile, gate_up=True, **kwargs)
+        return triton_gemv.gemv(x, weight, tile, **{"gate_up": True, **kwargs})
     except triton.runtime.errors.OutOfResources:
         return None
 

@@ -87,17 +87,11 @@ SWAP_IN_FOLDS = False
 def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
                  ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
                  NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
-                 TMA: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    n = n0 + tl.arange(0, BLOCK_N)
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    if TMA:  # W is a descriptor of the weight, [BLOCK_N, BLOCK_K] boxes, zeros past its edges
-        w_rows = W
-        up_rows = W
-    else:
-        w_rows = W + n.to(tl.int64)[:, None] * stride_wn
-        up_rows = w_rows + N * stride_wn  # GATE_UP: W holds [gate; up], 2N rows; each program takes both halves
+    w_rows = W + n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + N * stride_wn  # GATE_UP: W holds [gate; up], 2N rows, and each program takes both halves
     m = tl.arange(0, ROWS)
     if ONE_ROW:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -111,9 +105,9 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
     acc_up = acc
     # The first weight tile does not depend on the kernel before: it is read while that one finishes.
     k = tl.arange(0, BLOCK_K)
-    w = _load_w(w_rows, n0, 0, k, n_ok, K, EVEN, TMA)
+    w = _load_w(w_rows, k, n_ok, K, EVEN)
     if GATE_UP:
-        w_up = _load_w(up_rows, N + n0, 0, k, n_ok, K, EVEN, TMA)
+        w_up = _load_w(up_rows, k, n_ok, K, EVEN)
     else:
         w_up = w
     if PDL:
@@ -124,9 +118,9 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
                                        SWAP, GATE_UP, NORM, GAMMA_ON)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(w_rows, n0, k0, k, n_ok, K, EVEN, TMA)
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
-            w_up = _load_w(up_rows, N + n0, k0, k, n_ok, K, EVEN, TMA)
+            w_up = _load_w(up_rows, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
                                            ONE_ROW, SWAP, GATE_UP, NORM, GAMMA_ON)
         if PDL and not ONE_ROW and LATE_TRIGGER:
@@ -220,17 +214,39 @@ def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_rows, row0, k0, k, n_ok, K, EVEN: tl.constexpr, TMA: tl.constexpr):
-    """The weight tile at rows n (from row0) and columns k (from k0): w_rows is the rows' pointers, or with TMA
-    the weight's descriptor."""
-    # (if/else all the way: code after a return in a constexpr branch is still compiled, descriptor or not)
-    if TMA:
-        w = w_rows.load([row0, k0])
-    elif EVEN:  # no masks: the loads vectorise
-        w = tl.load(w_rows + k[None, :])
-    else:
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-    return w
+def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
+    if EVEN:  # no masks: the loads vectorise
+        return tl.load(w_rows + k[None, :])
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, stride_rm, eps, ROWS: tl.constexpr,
+                     GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The swapped several-row form with the weight's tiles brought by TMA (W: the weight's descriptor, zeros
+    past its edges). It waits for the kernel before it first and lets the next one launch after its loop, the
+    form that won in benchmarks/gemv_tma_probe.py."""
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, ROWS)
+    acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
+    acc_up = acc
+    squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    if PDL:
+        gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        w = W.load([n0, k0])
+        if GATE_UP:  # W holds [gate; up], 2N rows; each program takes both halves
+            w_up = W.load([N + n0, k0])
+        else:
+            w_up = w
+        acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k0 + tl.arange(0, BLOCK_K), m,
+                                           M, K, stride_xm, False, True, GATE_UP, NORM, GAMMA_ON)
+    if PDL:
+        gdc_launch_dependents()
+    _store_rows(acc, acc_up, squares, OUT, RES, m, n, n < N, M, K, stride_om, stride_rm, eps, True, GATE_UP, NORM,
+                ADD)
 
 
 @triton.jit
@@ -259,16 +275,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    tma = tile.tma and rows > 1 and _tma_ok(weight)
-    w = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]) if tma else weight
-    _gemv_kernel[(triton.cdiv(out_features, tile.block_n),)](
-        x, w, out, norm_weight if norm_weight is not None else weight,
+    grid = (triton.cdiv(out_features, tile.block_n),)
+    if tile.tma and rows > 1 and _tma_ok(weight):
+        _gemv_tma_kernel[grid](
+            x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out,
+            norm_weight if norm_weight is not None else weight, residual if residual is not None else out, rows,
+            out_features, width, x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0, eps,
+            ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
+            ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+            num_stages=tile.num_stages, **triton_pdl.launch_options(x))
+        return out
+    _gemv_kernel[grid](
+        x, weight, out, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
         out.stride(0), residual.stride(0) if residual is not None else 0, eps,
         _trigger_column(width, tile.block_k, TRIGGER_AT), ROWS=MAX_ROWS, ONE_ROW=rows == 1,
         SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm or norm_weight is not None,
         GAMMA_ON=norm_weight is not None, ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER, TMA=tma,
+        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     return out
 
