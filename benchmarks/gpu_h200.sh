@@ -131,14 +131,13 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # The one GEMV fold case a time limit cut (3 rows of 576 x 1536) after the persistent form's removal, and
-  # batch-1 step parts and decode end to end.
-  python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "folds_rmsnorm_and_residual_add and shape1-3" 2>&1 \
-    | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
-  python3 benchmarks/spec_step_parts.py --out "$OUT/spec_step_parts_pending.json"
-  python3 benchmarks/spec_off_tax.py --batch-sizes 1 \
-    --setups plain "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
-    --out "$OUT/spec_bs1_pending.json"
+  # The TMA GEMV tiles (off by default): which tile gave wrong results in the moved-norm fold on 960 x 576, the
+  # GEMV tests with them on, and batch-1 step parts with the chooser timing them (no shipped decisions).
+  python3 benchmarks/gemv_tma_probe.py --check --out "$OUT/gemv_tma_check.json"
+  SPECSERVE_GEMV_TMA=1 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "matches_cublas or folds_rmsnorm" \
+    2>&1 | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_tma.log"
+  SPECSERVE_GEMV_TMA=1 SPECSERVE_GEMV_CHOICES=none python3 benchmarks/spec_step_parts.py \
+    --out "$OUT/spec_step_parts_tma.json"
 fi
 if want agreement; then
   # Greedy output with and without speculation in bf16: the 8B shape (random weights and head), then SmolLM2 with

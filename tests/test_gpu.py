@@ -573,7 +573,7 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
             torch.testing.assert_close(gated.float(), gated_reference, atol=2e-2, rtol=2e-2)
             gated_tiles += 1
     assert gated_tiles >= 5
-    assert rows == 1 or triton_gemv._tma_ok(weight), "the TMA tiles above ran with ordinary loads"
+    assert rows == 1 or triton_gemv._tma_ok(weight), "TMA tiles here would run with ordinary loads"
     if rows > 1:  # results only: they cannot show where the trigger fell (tests/test_triton_host.py does)
         monkeypatch.setattr(triton_gemv, "TRIGGER_AT", 0.5)
         for tile in _every_tile(rows):
@@ -586,11 +586,15 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
 
 
 def _every_tile(rows: int):
-    """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not."""
+    """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
+    where they are candidates (SPECSERVE_GEMV_TMA=1: one of them fails the folds' test on an H200, which is why
+    they are off by default)."""
     from specserve.layers import triton_gemv
 
-    return (triton_gemv.ONE_ROW_TILES if rows == 1
-            else triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.TMA_TILES)
+    if rows == 1:
+        return triton_gemv.ONE_ROW_TILES
+    return (triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
+            + (triton_gemv.TMA_TILES if triton_gemv.TMA_CANDIDATES else []))
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

@@ -65,12 +65,17 @@ ROWS_TILES = [Tile(16, 256, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 4, 5), Til
 SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
 # The swapped form with its weight tiles brought by the Hopper TMA (one bulk copy a stage, into the shared memory
-# the dot reads) instead of loads by every thread. Graph-timed alone on an H200 (benchmarks/gemv_tma_probe.py),
-# the best of these beat every other tile on each 8B shape at 4 and 16 rows, by 0.4-1.9 us a call. Needs sm_90
-# and a weight whose rows start 16-byte aligned; SPECSERVE_GEMV_TMA=0 keeps them out of the chooser.
+# the dot reads) instead of loads by every thread (_gemv_tma_kernel). Graph-timed alone on an H200
+# (benchmarks/gemv_tma_probe.py), the best of these beat every other tile on each 8B shape at 4 and 16 rows, by
+# 0.4-1.9 us a call, and chosen by the chooser they took a batch-1 chain step from 5.13 to 4.92 ms and a tree
+# step from 6.09 to 5.87. They are NOT candidates by default (SPECSERVE_GEMV_TMA=1 makes them so): on the H200
+# one form gave wrong results, the norm folded with its weight moved into the projection (x / rms(x) only) on a
+# 960 x 576 weight at 3 and 16 rows, for a tile not yet named (`gemv_tma_probe.py --check` names it); every
+# other form and shape tested passed, and Triton's interpreter passes them all. Needs sm_90 and a weight whose
+# rows start 16-byte aligned.
 TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
              ((64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 256, 4), (128, 128, 3), (128, 128, 6))]
-TMA_CANDIDATES = os.environ.get("SPECSERVE_GEMV_TMA", "1") == "1"
+TMA_CANDIDATES = os.environ.get("SPECSERVE_GEMV_TMA", "0") == "1"
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
@@ -443,13 +448,13 @@ class Choice:
 
 def chooser_at_defaults() -> bool:
     """Whether every switch of the chooser and the kernels is at its default: an A/B of one (swapped tiles off,
-    another cuBLAS margin, another trigger) would otherwise be hidden by the shipped decisions for the shapes they
-    hold. The norm switches count too: the decisions were made with the norms
-    folded and their weights in the projections."""
+    TMA tiles on, another cuBLAS margin, another trigger) would otherwise be hidden by the shipped decisions for
+    the shapes they hold. The norm switches count too: the decisions were made with the norms folded and their
+    weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and TMA_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0 and linear.FOLD_NORMS
-            and linear.NORM_IN_WEIGHTS)
+    return (SWAP_CANDIDATES and not TMA_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
+            and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
 def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
