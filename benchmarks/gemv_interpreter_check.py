@@ -59,12 +59,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     triton_gemv.range = interpreter_range
+    triton_gemv.TMA_ON = True  # off by default in serving; checked here all the same
     torch.manual_seed(0)
     results = []
     for rows in (1, 3, 16):
         tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
             triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3],
-            triton_gemv.TMA_TILES[0], triton_gemv.TMA_TILES[4]]
+            *triton_gemv.TMA_TILES]
         for out_features, width in ((96, 64), (128, 512), (100, 600)):
             weight = (torch.randn(out_features, width) / width**0.5).half()
             x = (torch.randn(rows, width) * 5).half()

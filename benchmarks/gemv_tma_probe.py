@@ -102,38 +102,44 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def check_tiles(device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                 shapes=((960, 576), (4096, 4096), (1000, 200), (576, 1536))) -> list[dict]:
-    """The kernel's TMA tiles (layers/triton_gemv.TMA_TILES, through gemv) in every form, each against fp32 math
-    from the same bf16 inputs, on the shapes of the GPU folds test: the largest error relative to the largest
-    value, and whether it is within the test's bounds. On the H200 one of them failed the moved-norm form on
-    960 x 576 at 3 and 16 rows; this names which. (On a CPU, Triton's interpreter runs it in fp16.)"""
+    """The kernel's TMA tiles (layers/triton_gemv.TMA_TILES, through gemv) in every form, on the shapes and
+    inputs of the GPU fold test (same seed, same draws), each against fp32 math with that test's bounds: on
+    the H200 one of them failed the moved-norm form on 960 x 576 at 3 and 16 rows, and the test stopped there.
+    This runs every tile and form to the end and keeps the size of each mismatch. (Triton's interpreter can
+    run it on a CPU in fp16.)"""
+    triton_gemv.TMA_ON = True
     rows_out = []
     for shape in shapes:
         for rows in (3, 16):
             torch.manual_seed(rows)
-            weight = torch.randn(*shape, device=device).to(dtype) / shape[1] ** 0.5
-            x = torch.randn(rows, shape[1], device=device).to(dtype) * 3
-            gamma = torch.rand(shape[1], device=device).to(dtype) + 0.5
-            residual = torch.randn(rows, shape[0], device=device).to(dtype)
+            weight = torch.randn(*shape, device=device, dtype=dtype) / shape[1] ** 0.5
+            x = torch.randn(rows, shape[1], device=device, dtype=dtype) * 3
+            gamma = torch.rand(shape[1], device=device, dtype=dtype) + 0.5
+            residual = torch.randn(rows, shape[0], device=device, dtype=dtype)
             xf = x.float()
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
             moved = (weight.float() * gamma.float()).to(dtype)
             folded_ref = normed @ weight.float().T
             gated_ref = _silu_and_mul(folded_ref.to(dtype)).float()
-            forms = {"plain": (dict(), weight, xf @ weight.float().T),
-                     "add": (dict(residual=residual), weight, xf @ weight.float().T + residual.float()),
-                     "norm, weight in kernel": (dict(norm_weight=gamma, eps=1e-5), weight, folded_ref),
-                     "norm, weight moved": (dict(norm=True, eps=1e-5), moved, folded_ref),
-                     "gate/up, norm moved": (dict(norm=True, eps=1e-5, gate_up=True), moved, gated_ref)}
+            forms = {"plain": (dict(), weight, xf @ weight.float().T, 2e-2),
+                     "add": (dict(residual=residual), weight, xf @ weight.float().T + residual.float(), 3e-2),
+                     "norm, weight in kernel": (dict(norm_weight=gamma, eps=1e-5), weight, folded_ref, 2e-2),
+                     "gate/up, norm weight in kernel": (dict(norm_weight=gamma, eps=1e-5, gate_up=True), weight,
+                                                        gated_ref, 3e-2),
+                     "norm, weight moved": (dict(norm=True, eps=1e-5), moved, folded_ref, 2e-2),
+                     "gate/up, norm moved": (dict(norm=True, eps=1e-5, gate_up=True), moved, gated_ref, 3e-2)}
             for tile in triton_gemv.TMA_TILES:
-                for form, (kwargs, w, ref) in forms.items():
+                for form, (kwargs, w, ref, atol) in forms.items():
+                    row = {"shape": list(shape), "rows": rows, "tile": str(tile), "form": form}
                     try:
-                        got = triton_gemv.gemv(x, w, tile, **kwargs).float()
-                    except triton.runtime.errors.OutOfResources:
+                        error = (triton_gemv.gemv(x, w, tile, **kwargs).float() - ref).abs()
+                    except Exception as e:  # out of shared memory in the gate/up form, or a failure to report
+                        rows_out.append({**row, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                         continue
-                    error = (got - ref).abs()
-                    rows_out.append({"shape": list(shape), "rows": rows, "tile": str(tile), "form": form,
-                                     "max_error_over_max_value": round((error.max() / ref.abs().max()).item(), 5),
-                                     "ok": bool((error <= 3e-2 + 2e-2 * ref.abs()).all())})
+                    rows_out.append({**row, "max_abs_error": round(error.max().item(), 5),
+                                     "largest_value": round(ref.abs().max().item(), 3),
+                                     "mismatched": int((error > atol + 2e-2 * ref.abs()).sum().item()),
+                                     "ok": bool((error <= atol + 2e-2 * ref.abs()).all())})
                     if not rows_out[-1]["ok"]:
                         print("WRONG", rows_out[-1], flush=True)
     return rows_out
@@ -147,7 +153,7 @@ def main() -> None:
     args = p.parse_args()
     if args.check:
         report = {"check": "gemv_tma_tiles", "hardware": hardware_info(), "results": check_tiles()}
-        report["all_ok"] = all(r["ok"] for r in report["results"])
+        report["all_ok"] = all(r.get("ok", True) for r in report["results"])
     else:
         report = {"benchmark": "gemv_tma_probe", "unit": "us per call, graph-timed", "hardware": hardware_info(),
                   "results": [time_forms(name, shape, rows) for rows in args.rows for name, shape in SHAPES.items()]}

@@ -233,7 +233,8 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
         logits = (torch.randn(rows, vocab + 3, device=device) * 4).to(dtype)[:, :vocab]
         logits[0, [vocab - 1, vocab // 2, 5 % vocab]] = logits[0].max() + 1  # a three-way tie: the lowest wins
         if rows > 2:
-            logits[1, vocab // 3] = float("nan")  # NaN counts as the largest value
+            logits[1, [vocab // 3, vocab - 2]] = float("nan")  # a NaN beats every number: the first one
+            logits[1, vocab // 4] = float("inf")
             logits[2] = float("-inf")  # all equal: the first entry
         expected = logits.float().cpu().argmax(dim=-1)
         assert torch.equal(argmax(logits).cpu(), expected), (rows, vocab)

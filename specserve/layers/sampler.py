@@ -31,7 +31,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.is_cuda:
         from specserve.layers import triton_argmax  # Triton: GPU machines only
 
-        if triton_argmax.ENABLED:
+        if triton_argmax.ENABLED and triton_argmax.supports(logits):
             return triton_argmax.argmax(logits)
     return logits.argmax(dim=-1)
 

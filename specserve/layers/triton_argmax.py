@@ -3,8 +3,8 @@
 PyTorch's argmax gives one row to few blocks: on an H200 it took 36 us for one row of a 128,256-token vocabulary
 and 12 us for one of the 32,000-token draft vocabulary, under 1 us of memory traffic, once in every plain
 decode step and four times in every chain step (benchmarks/spec_step_parts.py --kernels). Here blocks of
-2,048 entries each find their best entry, and then one program per row picks the best of its blocks. Ties go
-to the lower index and NaN counts as the largest value, as with torch.argmax.
+2,048 entries each find their best entry, and then one program per row picks the best of its blocks. As with
+torch.argmax, ties go to the lower index and a NaN beats every number (the first NaN of a row is its argmax).
 """
 from __future__ import annotations
 
@@ -19,24 +19,36 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
 # SPECSERVE_FUSED_ARGMAX=0 is the A/B switch back to torch.argmax.
 ENABLED = os.environ.get("SPECSERVE_FUSED_ARGMAX", "1") != "0"
-BLOCK = 2048  # vocabulary entries a program of the first kernel takes
+# Vocabulary entries a program of the first kernel takes: 16 per thread of 4 warps, and 63 programs for one row of
+# a 128k vocabulary, enough to spread even a batch-1 row over the GPU.
+BLOCK = 2048
 
 
 # The row stride and the vocabulary are values, not specialisations: eager calls compile no new form.
 @triton.jit(do_not_specialize=["stride_row", "vocab"])
 def _argmax_block_kernel(X, PART_VALUE, PART_INDEX, stride_row, vocab, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One block of one row: its largest value and the lowest index that holds it."""
+    """One block of one row: its largest value and the lowest index that holds it, or NaN and its first NaN."""
     row, block = tl.program_id(0), tl.program_id(1)
     index = block * BLOCK + tl.arange(0, BLOCK)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     x = tl.load(X + row.to(tl.int64) * stride_row + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
-    best = tl.max(x, axis=0)
+    value, first = _best(x, index, vocab)
     part = row * tl.num_programs(1) + block
-    tl.store(PART_VALUE + part, best)
-    tl.store(PART_INDEX + part, tl.min(tl.where(x == best, index, vocab), axis=0))
+    tl.store(PART_VALUE + part, value)
+    tl.store(PART_INDEX + part, first)
+
+
+@triton.jit
+def _best(x, index, none):
+    """The largest of x and the lowest index holding it; where x holds a NaN, NaN and the lowest index of one.
+    Entries past the end carry -inf and an index above every real one (`none` where nothing is NaN)."""
+    nan = x != x
+    first_nan = tl.min(tl.where(nan, index, none), axis=0)
+    top = tl.max(tl.where(nan, float("-inf"), x), axis=0)
+    first_top = tl.min(tl.where(x == top, index, none), axis=0)
+    return tl.where(first_nan < none, float("nan"), top), tl.where(first_nan < none, first_nan, first_top)
 
 
 @triton.jit(do_not_specialize=["blocks"])
@@ -48,15 +60,22 @@ def _argmax_merge_kernel(PART_VALUE, PART_INDEX, OUT, blocks, BLOCKS_P2: tl.cons
         gdc_wait()
     values = tl.load(PART_VALUE + row * blocks + b, mask=b < blocks, other=float("-inf"))
     indices = tl.load(PART_INDEX + row * blocks + b, mask=b < blocks, other=2**31 - 1)
-    best = tl.max(values, axis=0)
-    tl.store(OUT + row, tl.min(tl.where(values == best, indices, 2**31 - 1), axis=0).to(tl.int64))
+    _, first = _best(values, indices, 2**31 - 1)
+    tl.store(OUT + row, first.to(tl.int64))
+
+
+MAX_VOCAB = 65535 * BLOCK  # a row's blocks are the launch grid's second dimension, at most 65,535
+
+
+def supports(logits: torch.Tensor) -> bool:
+    return logits.stride(-1) == 1 and 0 < logits.shape[-1] <= MAX_VOCAB
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for logits [..., vocab] with unit stride along the vocabulary."""
     vocab = logits.shape[-1]
-    if logits.stride(-1) != 1 or vocab == 0 or vocab >= 2**31 - 1:
-        raise ValueError(f"needs unit stride along a vocabulary of 1 to 2**31 - 2, got {logits.stride()}, {vocab}")
+    if not supports(logits):
+        raise ValueError(f"needs unit stride along a vocabulary of 1 to {MAX_VOCAB}, got {logits.stride()}, {vocab}")
     rows = logits.reshape(-1, vocab)  # a view wherever the leading dimensions allow one
     blocks = triton.cdiv(vocab, BLOCK)
     part_value = torch.empty(rows.shape[0], blocks, dtype=torch.float32, device=logits.device)

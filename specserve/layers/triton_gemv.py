@@ -66,16 +66,15 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
               ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 64, 4, 5), (128, 128, 4, 3), (128, 128, 8, 4))]
 # The swapped form with its weight tiles brought by the Hopper TMA (one bulk copy a stage, into the shared memory
 # the dot reads) instead of loads by every thread (_gemv_tma_kernel). Graph-timed alone on an H200
-# (benchmarks/gemv_tma_probe.py), the best of these beat every other tile on each 8B shape at 4 and 16 rows, by
-# 0.4-1.9 us a call, and chosen by the chooser they took a batch-1 chain step from 5.13 to 4.92 ms and a tree
-# step from 6.09 to 5.87. They are NOT candidates by default (SPECSERVE_GEMV_TMA=1 makes them so): on the H200
-# one form gave wrong results, the norm folded with its weight moved into the projection (x / rms(x) only) on a
-# 960 x 576 weight at 3 and 16 rows, for a tile not yet named (`gemv_tma_probe.py --check` names it); every
-# other form and shape tested passed, and Triton's interpreter passes them all. Needs sm_90 and a weight whose
-# rows start 16-byte aligned.
+# (benchmarks/gemv_tma_probe.py), the best of these beat every other tile on each 8B shape at 4 rows, by 0.4-1.9
+# us a call, and the chooser's picks among them took a batch-1 chain step from 5.13 to 4.92 ms (5.01 with the
+# shipped decisions) and a tree step from 6.09 to 5.87. They stay off (SPECSERVE_GEMV_TMA=1: they are candidates,
+# and a decisions file's TMA tiles load by TMA; otherwise those run with ordinary loads) because on the H200 the
+# GPU fold test failed with one of them: the norm folded with its weight moved into the projection, on a
+# 960 x 576 weight at 3 and 16 rows. Needs sm_90 and a weight whose rows start 16-byte aligned.
 TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
              ((64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 256, 4), (128, 128, 3), (128, 128, 6))]
-TMA_CANDIDATES = os.environ.get("SPECSERVE_GEMV_TMA", "0") == "1"
+TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "0") == "1"
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
@@ -230,8 +229,9 @@ def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, strid
                      GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The swapped several-row form with the weight's tiles brought by TMA (W: the weight's descriptor, zeros
-    past its edges). It waits for the kernel before it first and lets the next one launch after its loop, the
-    form that won in benchmarks/gemv_tma_probe.py."""
+    past its edges). It waits for the kernel before it first and lets the next one launch after its loop (so
+    TRIGGER_AT does not apply): loading the first tile before the wait, as _gemv_kernel does, made the chooser
+    take these tiles for one shape only."""
     n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
@@ -281,7 +281,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(out_features, tile.block_n),)
-    if tile.tma and rows > 1 and _tma_ok(weight):
+    if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight):
         _gemv_tma_kernel[grid](
             x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out,
             norm_weight if norm_weight is not None else weight, residual if residual is not None else out, rows,
@@ -453,7 +453,7 @@ def chooser_at_defaults() -> bool:
     weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and not TMA_CANDIDATES and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
+    return (SWAP_CANDIDATES and not TMA_ON and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
             and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
@@ -473,7 +473,7 @@ def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True) -> list[T
     if rows == 1:
         return ONE_ROW_TILES
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
-    tma = swapped and TMA_CANDIDATES and TensorDescriptor is not None
+    tma = swapped and TMA_ON and TensorDescriptor is not None
     return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
 
 
