@@ -1,9 +1,23 @@
 """Host-side logic of the Triton kernels, where Triton is installed (GPU machines; CI's CPU machine has none)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("triton")
+
+
+def _run_in_interpreter(script: str, timeout: int) -> None:
+    """Runs `script` under Triton's interpreter, which runs kernels on the CPU; it must be switched on before they
+    are defined, hence a process of its own (from the repository root: scripts import from tests/ and
+    benchmarks/)."""
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_several_row_gemvs_trigger_their_dependents_exactly_once():
@@ -42,16 +56,8 @@ for rows, vocab, k in [(4, 5000, 4), (3, 2048, 2), (2, 70, 8), (2, 4100, 3)]:
 
 
 def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
-    # Triton's interpreter runs the kernels on the CPU (it must be switched on before they are defined, hence a
-    # process of its own): several blocks a row, a vocabulary that is not a multiple of the block, ties.
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _TOPK_IN_INTERPRETER], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    # Several blocks a row, a vocabulary that is not a multiple of the block, ties.
+    _run_in_interpreter(_TOPK_IN_INTERPRETER, timeout=600)
 
 
 _TAILS_IN_INTERPRETER = """
@@ -73,15 +79,7 @@ def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
     # Each tree row's tail is attended by one context slice (dealt from the last one down), which the merge
     # then weighs with the rest: 1 slice (no merge), 2 (rows wrap around the slices), 5, and 32 (most slices
     # hold no context, only a tail, or nothing at all for a row), with 1, 3 and 6 rows sharing a context.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _TAILS_IN_INTERPRETER], env=env, capture_output=True, text=True,
-                         timeout=900, cwd=Path(__file__).parent.parent)
-    assert run.returncode == 0, run.stderr[-2000:]
+    _run_in_interpreter(_TAILS_IN_INTERPRETER, timeout=900)
 
 
 _ARGMAX_IN_INTERPRETER = """
@@ -96,13 +94,5 @@ for dtype in (torch.float32, torch.float16):
 
 def test_argmax_kernels_in_the_interpreter_pick_like_torch():
     # The greedy token of each row in two kernels (blocks of a row, then the row): ties to the lowest index
-    # across blocks, NaN as the largest value, rows of -inf, strided rows and leading dimensions.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _ARGMAX_IN_INTERPRETER], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=Path(__file__).parent.parent)
-    assert run.returncode == 0, run.stderr[-2000:]
+    # across blocks, a NaN beating every number (+inf too), rows of -inf, strided rows and leading dimensions.
+    _run_in_interpreter(_ARGMAX_IN_INTERPRETER, timeout=600)
