@@ -131,16 +131,16 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # The TMA GEMV tiles (off by default): which tile gave wrong results in the moved-norm fold on 960 x 576, the
-  # GEMV tests with them on, the argmax test (its NaN handling and its case after a PDL-launched GEMV are new),
-  # and batch-1 step parts with the chooser timing them and without (no shipped decisions either way).
+  # The GEMV kernel after the fix of its swapped moved-norm form (the squares read x again) with TMA tiles on by
+  # default and the decisions shipped with them: the swapped tiles' check, the whole GEMV, argmax and shipped
+  # decisions tests (the argmax's NaN handling and its case after a PDL-launched GEMV are new), and batch 1 end
+  # to end.
   python3 benchmarks/gemv_tma_probe.py --check --out "$OUT/gemv_tma_check.json"
-  SPECSERVE_GEMV_TMA=1 python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider \
-    -k "matches_cublas or folds_rmsnorm or argmax" 2>&1 | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_tma.log"
-  for tma in 0 1; do
-    SPECSERVE_GEMV_TMA=$tma SPECSERVE_GEMV_CHOICES=none python3 benchmarks/spec_step_parts.py \
-      --out "$OUT/spec_step_parts_tma$tma.json"
-  done
+  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider \
+    -k "matches_cublas or folds_rmsnorm or argmax or shipped or folded_norms" 2>&1 | grep --line-buffered -v DEBUG \
+    | tee "$OUT/gpu_tests_pending.log"
+  python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain "EAGLE-3 chain 3, simulated tau 3" \
+    "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" --out "$OUT/spec_bs1_pending.json"
 fi
 if want agreement; then
   # Greedy output with and without speculation in bf16: the 8B shape (random weights and head), then SmolLM2 with

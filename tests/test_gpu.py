@@ -585,8 +585,7 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
 
 def _every_tile(rows: int):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
-    where they are on (SPECSERVE_GEMV_TMA=1; off by default, since one of them failed the folds' test on an
-    H200)."""
+    where they are on (SPECSERVE_GEMV_TMA, on by default)."""
     from specserve.layers import triton_gemv
 
     if rows == 1:

@@ -96,3 +96,47 @@ def test_argmax_kernels_in_the_interpreter_pick_like_torch():
     # The greedy token of each row in two kernels (blocks of a row, then the row): ties to the lowest index
     # across blocks, a NaN beating every number (+inf too), rows of -inf, strided rows and leading dimensions.
     _run_in_interpreter(_ARGMAX_IN_INTERPRETER, timeout=600)
+
+
+_SLOTS_FOR_SM90 = """
+import re
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specserve.layers import triton_gemv
+
+def alloc_slots(kernel, signature, constants, divisible, stages):
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    ir = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=4, num_stages=stages)).asm["ttgir"]
+    return [(int(n), shape) for n, shape in re.findall(r"ttg.local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x(\\d+x\\d+)xbf16", ir)]
+
+pointer = dict(zip("X W OUT GAMMA RES M N K stride_xm stride_wn stride_om stride_rm eps trigger_k".split(),
+                   ["*bf16"] * 5 + ["i32"] * 7 + ["fp32", "i32"]))
+tma = dict(zip("X W OUT GAMMA RES M N K stride_xm stride_om stride_rm eps".split(),
+               ["*bf16", None, "*bf16", "*bf16", "*bf16"] + ["i32"] * 6 + ["fp32"]))
+for block_n, block_k, stages in ((64, 256, 4), (128, 128, 3)):
+    form = dict(ROWS=16, GATE_UP=False, NORM=True, GAMMA_ON=False, ADD=False, BLOCK_N=block_n, BLOCK_K=block_k,
+                PDL=False)
+    checks = {
+        "pointer loads": alloc_slots(triton_gemv._gemv_kernel, pointer,
+                                     {**form, "ONE_ROW": False, "SWAP": True, "EVEN": True, "LATE_TRIGGER": True},
+                                     (0, 1, 2, 3, 4, 7, 8, 9, 10, 11), stages),
+        "TMA": alloc_slots(triton_gemv._gemv_tma_kernel, {**tma, "W": f"tensordesc<bf16[{block_n},{block_k}]>"},
+                           form, (0, 2, 3, 4, 7, 8, 9, 10), stages)}
+    for name, slots in checks.items():
+        assert {shape for _, shape in slots} == {f"{block_n}x{block_k}", f"16x{block_k}"}, (name, slots)
+        assert {n for n, _ in slots} == {stages}, (name, block_n, block_k, stages, slots)
+"""
+
+
+def test_swapped_moved_norm_dot_has_a_slot_for_every_stage_compiled_for_sm90():
+    # Compiled for sm_90 (no GPU needed), with K a multiple of 16 as in serving: in the swapped form whose norm
+    # weight sits in the projection, x's shared buffer is the asynchronous wgmma's operand, so it needs as many
+    # slots as the weight's. With the sum of squares reading that same buffer, Triton 3.6 gave it one fewer and
+    # the next loads raced the dot in flight (wrong results on an H200). Triton's IR text is what is read here.
+    run = subprocess.run([sys.executable, "-c", _SLOTS_FOR_SM90], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -67,14 +67,13 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
 # The swapped form with its weight tiles brought by the Hopper TMA (one bulk copy a stage, into the shared memory
 # the dot reads) instead of loads by every thread (_gemv_tma_kernel). Graph-timed alone on an H200
 # (benchmarks/gemv_tma_probe.py), the best of these beat every other tile on each 8B shape at 4 rows, by 0.4-1.9
-# us a call, and the chooser's picks among them took a batch-1 chain step from 5.13 to 4.92 ms (5.01 with the
-# shipped decisions) and a tree step from 6.09 to 5.87. They stay off (SPECSERVE_GEMV_TMA=1: they are candidates,
-# and a decisions file's TMA tiles load by TMA; otherwise those run with ordinary loads) because on the H200 the
-# GPU fold test failed with one of them: the norm folded with its weight moved into the projection, on a
-# 960 x 576 weight at 3 and 16 rows. Needs sm_90 and a weight whose rows start 16-byte aligned.
+# us a call; with the chooser timing them, a batch-1 chain step took 4.91 ms against 5.14 without them, a tree
+# step 5.88 against 6.18 (benchmarks/spec_step_parts.py). SPECSERVE_GEMV_TMA=0 keeps them out of the chooser, and
+# a decisions file's TMA tiles then run with ordinary loads. Needs sm_90 and a weight whose rows start 16-byte
+# aligned.
 TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
              ((64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 256, 4), (128, 128, 3), (128, 128, 6))]
-TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "0") == "1"
+TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") == "1"
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
@@ -174,7 +173,7 @@ def _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, str
 @triton.jit
 def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
                 SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
-    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, NORM, GAMMA_ON)
+    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, SWAP, NORM, GAMMA_ON)
     acc = _product(acc, w, x, ONE_ROW, SWAP)
     if GATE_UP:
         acc_up = _product(acc_up, w_up, x, ONE_ROW, SWAP)
@@ -182,8 +181,8 @@ def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, 
 
 
 @triton.jit
-def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.constexpr, NORM: tl.constexpr,
-                GAMMA_ON: tl.constexpr):
+def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.constexpr, SWAP: tl.constexpr,
+                NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
     """x at columns k, as the product takes it. With NORM, x is the residual stream before RMSNorm: its squares
     are summed (the reciprocal RMS scales the outputs at the end), and with GAMMA_ON it is scaled by the norm's
     weight; without, that weight is already in W and x reaches the dot as loaded. At several rows that is what
@@ -197,9 +196,21 @@ def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.con
             if GAMMA_ON:
                 x = x * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)
     else:
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
+        x_at = X + m[:, None] * stride_xm + k[None, :]
+        x_ok = (m < M)[:, None] & k_ok[None, :]
+        x = tl.load(x_at, mask=x_ok, other=0.0)
         if NORM:
-            xf = x.to(tl.float32)
+            if SWAP and not GAMMA_ON:
+                # The swapped dot must not share the shared buffer x's loads land in with the sum of squares:
+                # Triton 3.6 then gives that buffer as many slots as the loads run ahead (3 at 4 stages),
+                # counting the squares as its last reader, and the asynchronous wgmma still reading a slot races
+                # the next loads into it (masked loads past K write zeros; on an H200 a TMA tile gave wrong
+                # results). The squares read x again instead, a differing eviction hint keeping the two loads
+                # apart. (Feeding the dot a copy of x made in registers is also right, but slower: the dot
+                # then waits for itself.)
+                xf = tl.load(x_at, mask=x_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                xf = x.to(tl.float32)
             squares += xf * xf
             if GAMMA_ON:
                 x = (xf * tl.load(GAMMA + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
@@ -430,7 +441,8 @@ class Choice:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
         ones = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
         in_kernel = ones if gamma else None
-        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma)}
+        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma)
+                 if not tile.tma or _tma_ok(weight)}  # else it would be timed as a tile with ordinary loads
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, ones)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=in_kernel, eps=1e-5,
                                                         gate_up=gate_up, norm=norm))
@@ -448,12 +460,12 @@ class Choice:
 
 def chooser_at_defaults() -> bool:
     """Whether every switch of the chooser and the kernels is at its default: an A/B of one (swapped tiles off,
-    TMA tiles on, another cuBLAS margin, another trigger) would otherwise be hidden by the shipped decisions for
+    TMA tiles off, another cuBLAS margin, another trigger) would otherwise be hidden by the shipped decisions for
     the shapes they hold. The norm switches count too: the decisions were made with the norms folded and their
     weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and not TMA_ON and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
+    return (SWAP_CANDIDATES and TMA_ON and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
             and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
