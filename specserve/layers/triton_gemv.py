@@ -73,7 +73,7 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
 # aligned.
 TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
              ((64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 256, 4), (128, 128, 3), (128, 128, 6))]
-TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") == "1"
+TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") != "0"
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
@@ -361,8 +361,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
 # Decisions taken instead of timed (layers/gemv_choices.py); shapes they lack are timed as usual. Unset: those
 # shipped for this GPU, if any (for the H200, the 4-row decisions that verify_gemv_choices.py --descend chose by
-# the chain verify's own time: a batch-1 chain step took 4.99 ms of device time with them against 5.09 timed
-# alone), unless a chooser switch is off its default. SPECSERVE_GEMV_CHOICES=FILE: a file saved before on this
+# the chain verify's own time, TMA tiles among them; the descent is too slow for every start), unless a chooser
+# switch is off its default. SPECSERVE_GEMV_CHOICES=FILE: a file saved before on this
 # GPU (--save-choices writes one); "", "0", "none" or "off": time every shape here.
 CHOICES_FILE = os.environ.get("SPECSERVE_GEMV_CHOICES", "shipped")
 NO_FILE = ("", "0", "none", "off")
