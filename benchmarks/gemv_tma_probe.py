@@ -1,12 +1,13 @@
-"""Would TMA loads make the several-row GEMV faster? A probe, before any change to the kernel.
+"""Would TMA loads make the several-row GEMV faster? A probe, first written before the kernel had a TMA form.
 
 A verify step's GEMVs of 4 and 16 rows stream their weights ~2-4 us slower a call than one row does (see the
 H200 notebook). Every form tried so far loads the weight tile with ordinary loads (cp.async into shared memory
 for the tensor-core dot). Here the weight tile comes through a host-built TMA descriptor instead: one bulk copy
-per stage into swizzled shared memory, which the Hopper dot reads in place. Each form is timed the way the
-chooser times (layers/triton_gemv.graph_time: inside a CUDA graph, over enough weight copies that L2 holds none),
-for the 8B shapes' plain products (no norm, SiLU or residual), at 1, 4 and 16 rows, against the shipped kernel's
-every tile and cuBLAS. Usage: python benchmarks/gemv_tma_probe.py [--check] --out FILE (a GPU with TMA: sm_90 or
+per stage into swizzled shared memory, which the Hopper dot reads in place (triton_gemv's TMA form, over a
+wider grid of tiles than the chooser's; gemv_tma_probe_h200.json came from a first, plain-product kernel of
+this file's own). Each form is timed the way the chooser times (layers/triton_gemv.graph_time: inside a CUDA
+graph, over enough weight copies that L2 holds none), for the 8B shapes' plain products (no norm, SiLU or
+residual), at 1, 4 and 16 rows, against the kernel's every candidate tile and cuBLAS. Usage: python benchmarks/gemv_tma_probe.py [--check] --out FILE (a GPU with TMA: sm_90 or
 later; --check: the kernel's own swapped tiles, TMA and not, against fp32 math in every form instead).
 """
 from __future__ import annotations
@@ -16,54 +17,18 @@ import json
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from specserve.bench.decode import hardware_info
-from specserve.layers import triton_gemv, triton_pdl
-from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
+from specserve.layers import triton_gemv, triton_pointwise
+from specserve.layers.gemv_choices import Tile
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-TMA_TILES = [(n, k, s) for n in (64, 128) for k in (64, 128, 256) for s in (3, 4, 6) if n * k * s <= 128 * 128 * 6]
-
-
-@triton.jit
-def _gemv_tma_kernel(X, w_desc, OUT, M, N, K, stride_xm, stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[m, n] = sum_k x[m, k] w[n, k], the weight tile [BLOCK_N, BLOCK_K] by TMA as the dot's left operand."""
-    n0 = tl.program_id(0) * BLOCK_N
-    m = tl.arange(0, ROWS)
-    acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
-    if PDL:
-        gdc_wait()
-    for k0 in range(0, K, BLOCK_K):  # pipelined num_stages deep (the launch's option)
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = w_desc.load([n0, k0])
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-    if PDL:
-        gdc_launch_dependents()
-    n = n0 + tl.arange(0, BLOCK_N)
-    out = tl.trans(acc)
-    tl.store(OUT + m[:, None] * stride_om + n[None, :], out.to(OUT.dtype.element_ty),
-             mask=(m < M)[:, None] & (n < N)[None, :])
-
-
-def gemv_tma(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, stages: int,
-             desc: TensorDescriptor | None = None) -> torch.Tensor:
-    rows, width = x.shape
-    out_features = weight.shape[0]
-    desc = desc or TensorDescriptor.from_tensor(weight, [block_n, block_k])
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    _gemv_tma_kernel[(triton.cdiv(out_features, block_n),)](
-        x, desc, out, rows, out_features, width, x.stride(0), out.stride(0), ROWS=16, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=4, num_stages=stages, **triton_pdl.launch_options(x))
-    return out
+TMA_GRID = [(n, k, s) for n in (64, 128) for k in (64, 128, 256) for s in (3, 4, 6) if n * k * s <= 128 * 128 * 6]
 
 
 def time_forms(name: str, shape: tuple[int, int], rows: int) -> dict:
+    triton_gemv.TMA_ON = True  # whatever SPECSERVE_GEMV_TMA says: the TMA form is what is probed
     weight = torch.randn(shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5
     copies = [weight] + [weight.clone() for _ in range(max(1, -(-256 * 2**20 // (weight.numel() * 2))) - 1)]
     x = torch.randn(rows, shape[1], device="cuda", dtype=torch.bfloat16)
@@ -71,11 +36,11 @@ def time_forms(name: str, shape: tuple[int, int], rows: int) -> dict:
     times = {"cublas": triton_gemv.graph_time(lambda w: F.linear(x, w), copies) * 1e3}
     for tile in triton_gemv.candidate_tiles(rows):
         times[f"tile {tile}"] = triton_gemv.graph_time(lambda w, t=tile: triton_gemv.gemv(x, w, t), copies) * 1e3
-    if rows > 1:
-        for block_n, block_k, stages in TMA_TILES:
-            descs = {w.data_ptr(): TensorDescriptor.from_tensor(w, [block_n, block_k]) for w in copies}
+    if rows > 1:  # the kernel's TMA form over a wider grid of tiles than it takes as candidates
+        for block_n, block_k, stages in TMA_GRID:
+            tile = Tile(block_n, block_k, 4, stages, swap=True, tma=True)
             try:
-                got = gemv_tma(x, weight, block_n, block_k, stages)
+                got = triton_gemv.gemv(x, weight, tile)
             except Exception as e:  # a tile this GPU's shared memory or TMA box cannot take
                 print(f"tma {block_n}x{block_k}x{stages}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -83,7 +48,7 @@ def time_forms(name: str, shape: tuple[int, int], rows: int) -> dict:
             if error > 2e-2:
                 raise AssertionError(f"TMA form wrong for {name} {rows} rows {block_n, block_k, stages}: {error}")
             times[f"tma {block_n}x{block_k}x{stages}"] = triton_gemv.graph_time(
-                lambda w, n=block_n, k=block_k, s=stages: gemv_tma(x, w, n, k, s, descs[w.data_ptr()]), copies) * 1e3
+                lambda w, t=tile: triton_gemv.gemv(x, w, t), copies) * 1e3
     copy_us = weight.numel() * 2 / 4.30e12 * 1e6
     best = {kind: min((v for k, v in times.items() if k.startswith(kind)), default=None)
             for kind in ("cublas", "tile", "tma")}
@@ -92,12 +57,6 @@ def time_forms(name: str, shape: tuple[int, int], rows: int) -> dict:
               "times_us": {k: round(v, 2) for k, v in sorted(times.items(), key=lambda kv: kv[1])}}
     print(name, rows, result["best_us"], flush=True)
     return result
-
-
-def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up, rounded as the kernels round (triton_gemv._silu_times)."""
-    gate, up = x.chunk(2, dim=-1)
-    return (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
 
 
 REPEATS = 5
@@ -125,7 +84,7 @@ def check_tiles(device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
             moved = (weight.float() * gamma.float()).to(dtype)
             folded_ref = normed @ weight.float().T
-            gated_ref = _silu_and_mul(folded_ref.to(dtype)).float()
+            gated_ref = triton_pointwise.silu_and_mul(folded_ref.to(dtype)).float()
             forms = {"plain": (dict(), weight, xf @ weight.float().T, 2e-2),
                      "add": (dict(residual=residual), weight, xf @ weight.float().T + residual.float(), 3e-2),
                      "norm, weight in kernel": (dict(norm_weight=gamma, eps=1e-5), weight, folded_ref, 2e-2),

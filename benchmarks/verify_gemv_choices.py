@@ -39,13 +39,14 @@ def best_of(timings: dict[str, float], allowed) -> Tile | None:
 
 def four_row_forms(timings: dict) -> list[dict]:
     """Each 4-row key's timings alone (microseconds): cuBLAS, the best tile with the rows as the dot's left
-    operand and the best with the weight there (swapped)."""
-    swapped = {str(tile) for tile in triton_gemv.SWAP_TILES}
+    operand, the best with the weight there (swapped) and the best of those whose weight comes by TMA."""
+    forms = {"rows_left": triton_gemv.ROWS_TILES, "swapped": triton_gemv.SWAP_TILES, "tma": triton_gemv.TMA_TILES}
+    forms = {form: {str(tile) for tile in tiles} for form, tiles in forms.items()}
     rows = []
     for (shape, _, rows_bucket, gate_up, norm, gamma), times in timings.items():
         if rows_bucket == ROWS:
-            best = {form: min((t for n, t in times.items() if n != "cublas" and (n in swapped) == swap), default=None)
-                    for form, swap in (("rows_left", False), ("swapped", True))}
+            best = {form: min((t for n, t in times.items() if n in names), default=None)
+                    for form, names in forms.items()}
             rows.append({"weight": list(shape), "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
                          "cublas": round(times["cublas"], 2), **{form: t and round(t, 2) for form, t in best.items()}})
     return rows
