@@ -131,14 +131,11 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # The GEMV kernel after the fix of its swapped moved-norm form (the squares read x again) with TMA tiles on by
-  # default and the decisions shipped with them: the swapped tiles' check, the whole GEMV, argmax and shipped
-  # decisions tests (the argmax's NaN handling and its case after a PDL-launched GEMV are new), and batch 1 end
-  # to end.
-  python3 benchmarks/gemv_tma_probe.py --check --out "$OUT/gemv_tma_check.json"
-  python3 -m pytest tests/test_gpu.py tests/test_triton_host.py -q -rA -p no:cacheprovider \
-    -k "matches_cublas or folds_rmsnorm or argmax or shipped or folded_norms or slots" 2>&1 | grep --line-buffered -v DEBUG \
-    | tee "$OUT/gpu_tests_pending.log"
+  # The GEMV kernel after the fix of its swapped moved-norm form (the squares read x again), TMA tiles on by
+  # default: the fold test (7 of its 9 cases and the whole match test passed before a time limit stopped that
+  # run) and the folded-norm decoder test; then batch 1 end to end.
+  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "folds_rmsnorm or folded_norms" 2>&1 \
+    | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
   python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain "EAGLE-3 chain 3, simulated tau 3" \
     "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" --out "$OUT/spec_bs1_pending.json"
 fi

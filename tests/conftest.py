@@ -225,7 +225,8 @@ def check_tail_attention(device: str, dtype: torch.dtype, splits: int, rows_per_
 def check_argmax(device: str, dtype: torch.dtype) -> None:
     """The argmax kernels (layers/triton_argmax.py) against torch.argmax: vocabularies of one block, of many and
     not a multiple of the block, a row stride wider than the row, ties at the top across blocks, a NaN, a row of
-    -inf, and leading dimensions [batch, rows]. On a GPU, or in Triton's interpreter."""
+    -inf, and leading dimensions [batch, rows]; and each pick mapped through offsets (a draft vocabulary's ids to
+    the target's). On a GPU, or in Triton's interpreter."""
     from specserve.layers.triton_argmax import argmax
 
     torch.manual_seed(0)
@@ -239,3 +240,21 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
         expected = logits.float().cpu().argmax(dim=-1)
         assert torch.equal(argmax(logits).cpu(), expected), (rows, vocab)
         assert torch.equal(argmax(logits.view(1, rows, vocab)).cpu(), expected.view(1, rows)), (rows, vocab)
+        offsets = torch.randint(0, 100_000, (vocab,), device=device)
+        assert torch.equal(argmax(logits, offsets).cpu(), expected + offsets.cpu()[expected]), (rows, vocab)
+
+
+def check_rms_norm_pair(device: str, dtype: torch.dtype, tolerance: float) -> None:
+    """The two-norm kernel (layers/triton_pointwise.rms_norm_pair) against the eager norms and concatenation: rows
+    of a width that is not a power of two, b a strided view, leading dimensions. On a GPU, or in Triton's
+    interpreter."""
+    from specserve.layers import pointwise, triton_pointwise
+
+    torch.manual_seed(0)
+    a = torch.randn(2, 3, 96, device=device).to(dtype) * 4
+    b = torch.randn(2, 3, 200, device=device).to(dtype)[..., 7:103]  # rows 200 apart
+    weight_a, weight_b = (torch.rand(96, device=device).to(dtype) + 0.5 for _ in range(2))
+    got = triton_pointwise.rms_norm_pair(a, weight_a, b, weight_b, 1e-5)
+    expected = pointwise._EAGER["rms_norm_pair"](a.cpu(), weight_a.cpu(), b.cpu(), weight_b.cpu(), 1e-5)
+    assert got.shape == (2, 3, 192)
+    torch.testing.assert_close(got.cpu(), expected, atol=tolerance, rtol=tolerance)

@@ -11,7 +11,8 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from conftest import check_argmax, check_tail_attention, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
+from conftest import (check_argmax, check_rms_norm_pair, check_tail_attention, run_mixed_sampling, watch_drafting_paths,
+                      write_peaked_random_head)
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -512,7 +513,8 @@ def test_training_on_a_gpu_keeps_samples_on_the_device_and_measures_held_out_agr
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_and_rotary_store_match_the_eager_math(dtype):
-    """The residual add folded into RMSNorm, and the KV store folded into rotary, against the unfused math."""
+    """The residual add folded into RMSNorm, two norms side by side, and the KV store folded into rotary, against
+    the unfused math."""
     from specserve.layers import pointwise, triton_pointwise
     from specserve.layers.rotary import RotaryEmbedding
 
@@ -528,6 +530,7 @@ def test_fused_norm_and_rotary_store_match_the_eager_math(dtype):
     torch.testing.assert_close(normed, expected, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(triton_pointwise.rms_norm(x, weight, 1e-5), pointwise._EAGER["rms_norm"](
         x.cpu(), weight.cpu(), 1e-5).cuda(), atol=tolerance, rtol=tolerance)
+    check_rms_norm_pair("cuda", dtype, tolerance)  # an EAGLE-3 head's two input norms in one kernel
 
     heads, kv_heads, dim, tokens = 9, 3, 64, 5  # head counts that are not powers of two
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)

@@ -82,3 +82,13 @@ def test_invalid_params_are_refused():
     for bad in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(min_p=2.0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_argmax_maps_each_pick_through_offsets():
+    # An EAGLE-3 head's draft ids become target ids in the same call: pick i is returned as i + offsets[i].
+    from specserve.layers.sampler import argmax
+
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [3.0, 0.0, 0.0, 1.0]])
+    offsets = torch.tensor([10, 20, 30, 40])
+    assert argmax(logits).tolist() == [1, 0]  # the first of a tie
+    assert argmax(logits, offsets).tolist() == [21, 10]

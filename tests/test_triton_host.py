@@ -98,6 +98,21 @@ def test_argmax_kernels_in_the_interpreter_pick_like_torch():
     _run_in_interpreter(_ARGMAX_IN_INTERPRETER, timeout=600)
 
 
+_NORM_PAIR_IN_INTERPRETER = """
+import sys
+import torch
+sys.path[:0] = ["tests"]
+from conftest import check_rms_norm_pair
+check_rms_norm_pair("cpu", torch.float32, 1e-5)
+check_rms_norm_pair("cpu", torch.float16, 1e-2)
+"""
+
+
+def test_rms_norm_pair_in_the_interpreter_matches_the_eager_norms():
+    # An EAGLE-3 head's input: both norms, each into its half of one row, in one kernel.
+    _run_in_interpreter(_NORM_PAIR_IN_INTERPRETER, timeout=300)
+
+
 _SLOTS_FOR_SM90 = """
 import re
 import triton

@@ -455,11 +455,11 @@ class ChainGraphs(SpecGraphs):
         out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], self.catch_pos[:bs].view(-1),
                    metas["catch"], drafter.kv_cache)
         state = out[self.last_row[:bs]]
-        token = head.to_target_ids(argmax(head.compute_logits(state)))
+        token = argmax(head.compute_logits(state), head.d2t)  # in target ids
         drafts = [token]
         for i in range(self.k - 1):
             state = head(embed(token), state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache)
-            token = head.to_target_ids(argmax(head.compute_logits(state)))
+            token = argmax(head.compute_logits(state), head.d2t)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 

@@ -37,6 +37,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return weight * xf.to(x.dtype)
 
 
+def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """[RMSNorm(a) | RMSNorm(b)] along the last dimension: an EAGLE-3 head's input."""
+    return torch.cat([rms_norm(a, weight_a, eps), rms_norm(b, weight_b, eps)], dim=-1)
+
+
 def rotary(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
     """Rotate-half rotary embedding of q [T, H, D] and k [T, Hkv, D] at `positions`, angles in fp32.
     The CPU kernel rotates in place (q and k are fresh views of this step's projection)."""
@@ -72,16 +78,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_EAGER = {"rms_norm": rms_norm, "rotary": rotary, "rotary_store": rotary_store, "silu_and_mul": silu_and_mul}
+_EAGER = {"rms_norm": rms_norm, "rms_norm_pair": rms_norm_pair, "rotary": rotary, "rotary_store": rotary_store,
+          "silu_and_mul": silu_and_mul}
 
 
 def use_gpu_kernels() -> None:
-    """GPU only: RMSNorm (with the residual add folded in), the rotary embedding (with the KV store folded
-    in) and SiLU-and-multiply become Triton kernels (layers/triton_pointwise.py). Calls that need gradients
-    (draft-head training) and calls on CPU tensors keep the eager functions."""
+    """GPU only: RMSNorm (with the residual add folded in; two of them side by side), the rotary embedding
+    (with the KV store folded in) and SiLU-and-multiply become Triton kernels (layers/triton_pointwise.py).
+    Calls that need gradients (draft-head training) and calls on CPU tensors keep the eager functions."""
     from specserve.layers import triton_pointwise
 
     fast = {"rms_norm": _if(_same_dtypes, triton_pointwise.rms_norm),
+            "rms_norm_pair": _if(_pair_same_dtypes, triton_pointwise.rms_norm_pair),
             "rotary": _if(_half_power_of_two, triton_pointwise.rotary),
             "rotary_store": _if(_rotary_store_fits, triton_pointwise.rotary_store),
             "silu_and_mul": triton_pointwise.silu_and_mul}
@@ -101,6 +109,10 @@ def _if(applies, kernel):
 def _same_dtypes(x, weight, eps, residual=None) -> bool:
     # Eager promotes a bf16 x with an fp32 weight to fp32; the kernel writes x's dtype.
     return x.dtype == weight.dtype and (residual is None or residual.dtype == x.dtype)
+
+
+def _pair_same_dtypes(a, weight_a, b, weight_b, eps) -> bool:
+    return a.dtype == weight_a.dtype == b.dtype == weight_b.dtype and a.shape == b.shape
 
 
 def _half_power_of_two(positions, cos_sin, q, *rest) -> bool:

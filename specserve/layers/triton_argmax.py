@@ -52,8 +52,9 @@ def _best(x, index, none):
 
 
 @triton.jit(do_not_specialize=["blocks"])
-def _argmax_merge_kernel(PART_VALUE, PART_INDEX, OUT, blocks, BLOCKS_P2: tl.constexpr, PDL: tl.constexpr):
-    """One row: the best of its blocks' picks, the lower index on a tie."""
+def _argmax_merge_kernel(PART_VALUE, PART_INDEX, OFFSETS, OUT, blocks, BLOCKS_P2: tl.constexpr,
+                         HAS_OFFSETS: tl.constexpr, PDL: tl.constexpr):
+    """One row: the best of its blocks' picks, the lower index on a tie; plus OFFSETS at that index if given."""
     row = tl.program_id(0)
     b = tl.arange(0, BLOCKS_P2)
     if PDL:
@@ -61,7 +62,10 @@ def _argmax_merge_kernel(PART_VALUE, PART_INDEX, OUT, blocks, BLOCKS_P2: tl.cons
     values = tl.load(PART_VALUE + row * blocks + b, mask=b < blocks, other=float("-inf"))
     indices = tl.load(PART_INDEX + row * blocks + b, mask=b < blocks, other=2**31 - 1)
     _, first = _best(values, indices, 2**31 - 1)
-    tl.store(OUT + row, first.to(tl.int64))
+    first = first.to(tl.int64)
+    if HAS_OFFSETS:
+        first += tl.load(OFFSETS + first)
+    tl.store(OUT + row, first)
 
 
 MAX_VOCAB = 65535 * BLOCK  # a row's blocks are the launch grid's second dimension, at most 65,535
@@ -71,9 +75,12 @@ def supports(logits: torch.Tensor) -> bool:
     return logits.stride(-1) == 1 and 0 < logits.shape[-1] <= MAX_VOCAB
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, dim=-1) for logits [..., vocab] with unit stride along the vocabulary."""
+def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for logits [..., vocab] with unit stride along the vocabulary; with
+    `offsets` [vocab] (int64), each pick i plus offsets[i] (a draft vocabulary's ids mapped to the target's)."""
     vocab = logits.shape[-1]
+    if offsets is not None and (offsets.shape != (vocab,) or offsets.dtype != torch.int64):
+        raise ValueError(f"offsets must be int64 of shape ({vocab},), got {offsets.dtype} {tuple(offsets.shape)}")
     if not supports(logits):
         raise ValueError(f"needs unit stride along a vocabulary of 1 to {MAX_VOCAB}, got {logits.stride()}, {vocab}")
     rows = logits.reshape(-1, vocab)  # a view wherever the leading dimensions allow one
@@ -85,6 +92,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         pdl = triton_pdl.launch_options(logits)
         _argmax_block_kernel[(rows.shape[0], blocks)](rows, part_value, part_index, rows.stride(0), vocab,
                                                       BLOCK=BLOCK, num_warps=4, **pdl)
-        _argmax_merge_kernel[(rows.shape[0],)](part_value, part_index, out, blocks,
-                                               BLOCKS_P2=triton.next_power_of_2(blocks), num_warps=1, **pdl)
+        _argmax_merge_kernel[(rows.shape[0],)](part_value, part_index, out if offsets is None else offsets, out,
+                                               blocks, BLOCKS_P2=triton.next_power_of_2(blocks),
+                                               HAS_OFFSETS=offsets is not None, num_warps=1, **pdl)
     return out.view(logits.shape[:-1])
