@@ -820,6 +820,35 @@ def test_argmax_kernels_pick_like_torch_and_replay_in_a_graph(dtype):
             assert torch.equal(graphed, logits.argmax(dim=-1))
 
 
+def test_eagle3_head_logits_fold_its_norm_and_map_drafts_in_bf16(monkeypatch):
+    """An EAGLE-3 head's logits in bf16 with its final norm folded into the lm_head GEMV (a chooser that always
+    takes a tile, so the fold runs at every row count), against the norm and the product apart in fp32; and the
+    chain's argmax with the draft-to-target offsets against `to_target_ids` of torch.argmax."""
+    from specserve.config import ModelConfig
+    from specserve.layers import pointwise, triton_gemv
+    from specserve.layers.sampler import argmax
+    from specserve.models.eagle3 import Eagle3Config, Eagle3Head
+
+    monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
+    monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
+    cfg = ModelConfig("LlamaForCausalLM", 2000, 512, 1024, 1, 8, 2, 64, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(cfg, 1000, 512, (0, 0, 0)), 256).cuda().to(torch.bfloat16)
+    with torch.inference_mode():
+        head.lm_head.weight.normal_(0, 512**-0.5)
+        head.norm.weight.uniform_(0.5, 1.5)
+        head.d2t.copy_(torch.randint(0, 1000, (1000,)))
+        for rows in (1, 4):
+            hidden = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16) * 3
+            assert head.lm_head.folds_norm(hidden)
+            logits = head.compute_logits(hidden)
+            xf = hidden.float()
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * head.norm.weight.float()
+            torch.testing.assert_close(logits.float(), normed @ head.lm_head.weight.float().T, atol=3e-2, rtol=2e-2)
+            unfolded = head.lm_head(pointwise.rms_norm(hidden, head.norm.weight, 1e-5))
+            assert torch.equal(argmax(unfolded, head.d2t), head.to_target_ids(unfolded.argmax(dim=-1)))
+
+
 def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing(monkeypatch):
     """Unless SPECSERVE_GEMV_CHOICES says otherwise, a GPU with decisions shipped in the package takes them
     (on an H200: the 8B chain verify's 4-row ones), and a GPU without any times the shape. A chooser switch off

@@ -79,8 +79,9 @@ def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.T
     """torch.argmax(logits, dim=-1) for logits [..., vocab] with unit stride along the vocabulary; with
     `offsets` [vocab] (int64), each pick i plus offsets[i] (a draft vocabulary's ids mapped to the target's)."""
     vocab = logits.shape[-1]
-    if offsets is not None and (offsets.shape != (vocab,) or offsets.dtype != torch.int64):
-        raise ValueError(f"offsets must be int64 of shape ({vocab},), got {offsets.dtype} {tuple(offsets.shape)}")
+    if offsets is not None and (offsets.shape != (vocab,) or offsets.dtype != torch.int64 or offsets.stride(0) != 1):
+        raise ValueError(f"offsets must be contiguous int64 of shape ({vocab},), got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} with stride {offsets.stride()}")
     if not supports(logits):
         raise ValueError(f"needs unit stride along a vocabulary of 1 to {MAX_VOCAB}, got {logits.stride()}, {vocab}")
     rows = logits.reshape(-1, vocab)  # a view wherever the leading dimensions allow one

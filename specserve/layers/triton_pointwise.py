@@ -164,6 +164,8 @@ def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weig
                   eps: float) -> torch.Tensor:
     """[RMSNorm(a) | RMSNorm(b)] for a and b [..., W] (each with its norm's weight, one eps), [..., 2W], in one
     kernel instead of two norms and a concatenation (an EAGLE-3 head's input, once per draft step)."""
+    if b.shape != a.shape or b.dtype != a.dtype or b.device != a.device:
+        raise ValueError(f"rms_norm_pair needs a and b alike, got {a.shape} {a.dtype} and {b.shape} {b.dtype}")
     width = a.shape[-1]
     a_rows, b_rows = (t.reshape(-1, width) for t in (a, b))
     a_rows, b_rows = (t if t.stride(-1) == 1 else t.contiguous() for t in (a_rows, b_rows))
