@@ -11,11 +11,18 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
+# What every interpreter script starts with: torch, and the checks of tests/ and benchmarks/ importable.
+_PRELUDE = """
+import sys
+import torch
+sys.path[:0] = ["benchmarks", "tests"]
+"""
+
+
 def _run_in_interpreter(script: str, timeout: int) -> None:
     """Runs `script` under Triton's interpreter, which runs kernels on the CPU; it must be switched on before they
-    are defined, hence a process of its own (from the repository root: scripts import from tests/ and
-    benchmarks/)."""
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+    are defined, hence a process of its own (from the repository root, after _PRELUDE)."""
+    run = subprocess.run([sys.executable, "-c", _PRELUDE + script], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]
 
@@ -39,7 +46,6 @@ def test_several_row_gemvs_trigger_their_dependents_exactly_once():
 
 
 _TOPK_IN_INTERPRETER = """
-import torch
 from specserve.engine.triton_topk import fused_log_softmax_topk
 torch.manual_seed(0)
 for rows, vocab, k in [(4, 5000, 4), (3, 2048, 2), (2, 70, 8), (2, 4100, 3)]:
@@ -61,9 +67,6 @@ def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
 
 
 _TAILS_IN_INTERPRETER = """
-import sys
-import torch
-sys.path[:0] = ["benchmarks", "tests"]
 from conftest import check_tail_attention
 from gemv_interpreter_check import interpreter_range
 from specserve.layers import triton_attention
@@ -83,9 +86,6 @@ def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
 
 
 _ARGMAX_IN_INTERPRETER = """
-import sys
-import torch
-sys.path[:0] = ["tests"]
 from conftest import check_argmax
 for dtype in (torch.float32, torch.float16):
     check_argmax("cpu", dtype)
@@ -99,9 +99,6 @@ def test_argmax_kernels_in_the_interpreter_pick_like_torch():
 
 
 _NORM_PAIR_IN_INTERPRETER = """
-import sys
-import torch
-sys.path[:0] = ["tests"]
 from conftest import check_rms_norm_pair
 check_rms_norm_pair("cpu", torch.float32, 1e-5)
 check_rms_norm_pair("cpu", torch.float16, 1e-2)

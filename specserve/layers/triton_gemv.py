@@ -292,24 +292,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(out_features, tile.block_n),)
+    # Absent tensors are passed as some other tensor of the call, which the constexprs keep the kernels from reading.
+    gamma = norm_weight if norm_weight is not None else weight
+    res, stride_rm = (residual, residual.stride(0)) if residual is not None else (out, 0)
+    form = dict(ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
+                ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+                num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight):
-        _gemv_tma_kernel[grid](
-            x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out,
-            norm_weight if norm_weight is not None else weight, residual if residual is not None else out, rows,
-            out_features, width, x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0, eps,
-            ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
-            ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-            num_stages=tile.num_stages, **triton_pdl.launch_options(x))
+        _gemv_tma_kernel[grid](x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out, gamma, res,
+                               rows, out_features, width, x.stride(0), out.stride(0), stride_rm, eps, **form)
         return out
     _gemv_kernel[grid](
-        x, weight, out, norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else out, rows, out_features, width, x.stride(0), weight.stride(0),
-        out.stride(0), residual.stride(0) if residual is not None else 0, eps,
-        _trigger_column(width, tile.block_k, TRIGGER_AT), ROWS=MAX_ROWS, ONE_ROW=rows == 1,
-        SWAP=tile.swap and rows > 1, GATE_UP=gate_up, NORM=norm or norm_weight is not None,
-        GAMMA_ON=norm_weight is not None, ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
+        x, weight, out, gamma, res, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0), stride_rm,
+        eps, _trigger_column(width, tile.block_k, TRIGGER_AT), ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1,
+        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER, **form)
     return out
 
 
