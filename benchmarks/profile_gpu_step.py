@@ -12,6 +12,7 @@ import argparse
 import json
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.decode import hardware_info
@@ -44,6 +45,28 @@ def top_kernels(fn, limit: int | None = 12) -> list[dict]:
             rows.append({"kernel": event.key[:90], "calls": event.count, "total_us": round(device_us, 1)})
     rows.sort(key=lambda r: -r["total_us"])
     return rows[:limit]
+
+
+def critical_path(fn, sequence: list | None = None) -> list[dict]:
+    """fn's kernels under torch.profiler, each credited with the time it adds to the span: from the latest end
+    of the kernels before it (or its own start, for the first) to its end, gaps included. Under PDL a kernel runs
+    beside the one before, so its own duration overstates it; these add up to the span."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    totals: dict[str, dict] = {}
+    last_end = kernels[0].time_range.start if kernels else 0.0
+    for event in kernels:
+        row = totals.setdefault(event.name[:90], {"kernel": event.name[:90], "calls": 0, "total_us": 0.0})
+        row["calls"] += 1
+        added = max(0.0, event.time_range.end - last_end)
+        row["total_us"] += added
+        if sequence is not None:
+            sequence.append((event.name[:40], round(added, 2)))
+        last_end = max(last_end, event.time_range.end)
+    rows = sorted(totals.values(), key=lambda r: -r["total_us"])
+    return [{**r, "total_us": round(r["total_us"], 1)} for r in rows]
 
 
 # Kernel families by name, first match wins; the rest (PyTorch's small kernels: sorts, gathers, copies) is "other".

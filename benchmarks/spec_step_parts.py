@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from profile_gpu_step import cuda_ms, kernel_groups, top_kernels
+from profile_gpu_step import critical_path, cuda_ms, kernel_groups, top_kernels
 from specserve.bench.decode import hardware_info
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.factory import build_engine_core
@@ -97,6 +97,12 @@ def measure(spec: SpecConfig, context: int, repeats: int, kernels: bool) -> dict
             listed = {name: top_kernels(fn, limit=None) for name, fn in parts.items()}
             times["kernels"] = {name: rows[:25] for name, rows in listed.items()}
             times["kernel_groups"] = {name: kernel_groups(rows) for name, rows in listed.items()}
+            # The same, each kernel credited only with what it adds to the part's span (overlap under PDL removed).
+            sequences = {name: [] for name in parts}
+            added = {name: critical_path(fn, sequences[name]) for name, fn in parts.items()}
+            times["critical_path"] = {name: rows[:25] for name, rows in added.items()}
+            times["critical_path_sequence"] = sequences
+            times["critical_path_groups"] = {name: kernel_groups(rows) for name, rows in added.items()}
     drafting = next(v for k, v in times.items() if k.startswith("draft"))
     verify = next(v for k, v in times.items() if k.startswith("verify"))
     times["verify - plain"] = round(verify - times["plain decode step"], 4)
@@ -118,7 +124,8 @@ def main() -> None:
     setups = {"chain": ("chain 3 drafts", CHAIN), "tree": ("tree top-4, 5 steps, 16 tokens", TREE)}
     for name, spec in (setups[s] for s in args.setups):
         results[name] = measure(spec, args.context, args.repeats, args.kernels)
-        print(name, {k: v for k, v in results[name].items() if k != "kernels"}, flush=True)
+        print(name, {k: v for k, v in results[name].items() if k in ("critical_path_groups",) or "kernel" not in k
+                    and "critical" not in k}, flush=True)
     from specserve.layers import triton_gemv
 
     gemv = triton_gemv.choice.report()

@@ -258,3 +258,73 @@ def check_rms_norm_pair(device: str, dtype: torch.dtype, tolerance: float) -> No
     expected = pointwise._EAGER["rms_norm_pair"](a.cpu(), weight_a.cpu(), b.cpu(), weight_b.cpu(), 1e-5)
     assert got.shape == (2, 3, 192)
     torch.testing.assert_close(got.cpu(), expected, atol=tolerance, rtol=tolerance)
+
+
+def check_accept_and_pack(device: str) -> None:
+    """The chain's acceptance kernel (engine/triton_accept.py) against accept_chain and _packed: every prefix of
+    matches (none, some, all), a mismatch after a match, limits below and above the matches, forced counts (also
+    above the limit); a root read with a stride, as the program passes it; the copies a following step reads.
+    On a GPU, or in Triton's interpreter."""
+    from specserve.engine.chain_graphs import _packed, accept_chain
+    from specserve.engine.triton_accept import accept_and_pack
+
+    torch.manual_seed(0)
+    for k in (1, 3, 5):
+        rows = 64
+        best = torch.randint(0, 4, (rows, k + 1), device=device)
+        drafts = torch.where(torch.rand(rows, k, device=device) < 0.7, best[:, :k], torch.randint(0, 4, (rows, k),
+                                                                                                device=device))
+        limit = torch.randint(0, k + 1, (rows,), device=device)
+        roots = torch.randint(0, 10_000, (rows, k + 1), device=device)[:, 0]  # stride k + 1, like verify_pos[:, 0]
+        for forced in (None, torch.randint(0, k + 2, (rows,), device=device)):
+            last_packed = torch.full((rows + 3, k + 2), -1, dtype=torch.long, device=device)
+            last_root = torch.full((rows + 3,), -1, dtype=torch.long, device=device)
+            got = accept_and_pack(drafts, best, forced, limit, roots, last_packed, last_root)
+            expected = _packed(*accept_chain(drafts.cpu(), best.cpu(), None if forced is None else forced.cpu(),
+                                             limit.cpu()))
+            assert torch.equal(got.cpu(), expected), (k, forced)
+            assert torch.equal(last_packed[:rows].cpu(), expected) and (last_packed[rows:] == -1).all()
+            assert torch.equal(last_root[:rows].cpu(), roots.cpu()) and (last_root[rows:] == -1).all()
+
+
+def check_chain_rows(device: str) -> None:
+    """The chain program's per-row attention inputs from one kernel (engine/triton_follow.chain_rows) against their
+    PyTorch form: context lengths (to and including each row, or before a shared context's first row), tails,
+    draft levels' lengths, and the page table repeated per row; rows past the batch left alone. On a GPU, or in
+    Triton's interpreter."""
+    from types import SimpleNamespace
+
+    from specserve.engine.triton_follow import chain_rows
+
+    torch.manual_seed(0)
+    for k, bs, max_bs, pages in ((3, 3, 4, 70), (1, 2, 2, 5), (5, 1, 8, 129)):
+        w, n = k + 1, 16 * pages
+        rand = lambda *shape: torch.randint(0, 10_000, shape, device=device)  # noqa: E731
+        i32 = dict(dtype=torch.int32, device=device)
+        program = SimpleNamespace(
+            width=w, k=k, tables={n: torch.randint(0, 500, (max_bs, pages), **i32)},
+            row_tables={n: torch.full((max_bs * w, pages), -1, **i32)},
+            catch_pos=rand(max_bs, w), catch_slots=rand(max_bs, w), verify_pos=rand(max_bs, w),
+            verify_slots=rand(max_bs, w), extend_pos=rand(max(k - 1, 1), max_bs),
+            extend_lens=torch.full((max(k - 1, 1), max_bs), -1, **i32),
+            row_lens={name: torch.full((max_bs * w,), -1, **i32) for name in ("catch", "verify")},
+            row_tails={name: torch.full((max_bs * w, w), -1, dtype=torch.long, device=device)
+                       for name in ("catch", "verify")})
+        for shared in (False, True):
+            chain_rows(program, bs, n, shared)
+            rows = bs * w
+            for name in ("catch", "verify"):
+                pos, slots = getattr(program, f"{name}_pos")[:bs], getattr(program, f"{name}_slots")[:bs]
+                lens = pos[:, :1].expand(bs, w) if shared else pos + 1
+                assert torch.equal(program.row_lens[name][:rows].cpu(), lens.reshape(-1).int().cpu()), (k, name)
+                assert (program.row_lens[name][rows:] == -1).all()
+                if shared:
+                    tails = slots.repeat_interleave(w, 0)
+                    assert torch.equal(program.row_tails[name][:rows].cpu(), tails.cpu()), (k, name)
+                    assert (program.row_tails[name][rows:] == -1).all()
+            if k > 1:
+                assert torch.equal(program.extend_lens[:, :bs].cpu(), (program.extend_pos[:, :bs] + 1).int().cpu())
+            assert (program.extend_lens[:, bs:] == -1).all()
+            expected = program.tables[n][:bs].repeat_interleave(w, 0)
+            assert torch.equal(program.row_tables[n][:rows].cpu(), expected.cpu()), k
+            assert (program.row_tables[n][rows:] == -1).all()

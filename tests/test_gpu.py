@@ -11,8 +11,8 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from conftest import (check_argmax, check_rms_norm_pair, check_tail_attention, run_mixed_sampling, watch_drafting_paths,
-                      write_peaked_random_head)
+from conftest import (check_accept_and_pack, check_argmax, check_chain_rows, check_rms_norm_pair, check_tail_attention,
+                      run_mixed_sampling, watch_drafting_paths, write_peaked_random_head)
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -340,9 +340,15 @@ def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_check
         assert runs[0] == _hf_greedy(path, prompts, "cuda")
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["rows-apart", "shared-context"])
 @pytest.mark.parametrize("simulate", [None, 2.5])
-def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, simulate):
-    """EAGLE-3 chain steps replayed as one graph each equal the same program run eagerly, and (greedy) HF."""
+def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                       simulate, shared):
+    """EAGLE-3 chain steps replayed as one graph each equal the same program run eagerly, and (greedy) HF; with
+    each sequence's rows attending apart and as one run over a shared context (SHARED_CONTEXT)."""
+    from specserve.engine import chain_graphs
+
+    monkeypatch.setattr(chain_graphs, "SHARED_CONTEXT", shared)
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     prompts = _prompts(512, seed=5)
@@ -787,6 +793,14 @@ def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
     logits.copy_(logits.flip(-1))
     graph.replay()
     assert torch.equal(graphed[1], torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k])
+
+
+def test_chain_acceptance_kernel_packs_like_accept_chain():
+    check_accept_and_pack("cuda")
+
+
+def test_chain_row_inputs_kernel_matches_pytorch():
+    check_chain_rows("cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -110,6 +110,25 @@ def test_rms_norm_pair_in_the_interpreter_matches_the_eager_norms():
     _run_in_interpreter(_NORM_PAIR_IN_INTERPRETER, timeout=300)
 
 
+def test_chain_acceptance_kernel_in_the_interpreter_packs_like_accept_chain():
+    # The greedy chain step's acceptance, packing and copies for a following step, in one kernel.
+    _run_in_interpreter("from conftest import check_accept_and_pack\ncheck_accept_and_pack('cpu')\n", timeout=300)
+
+
+_CHAIN_ROWS_IN_INTERPRETER = """
+from conftest import check_chain_rows
+from gemv_interpreter_check import interpreter_range
+from specserve.engine import triton_follow
+triton_follow.range = interpreter_range
+check_chain_rows("cpu")
+"""
+
+
+def test_chain_row_inputs_kernel_in_the_interpreter_matches_pytorch():
+    # Context lengths, tails and per-row page tables of the chain program's three forwards, in one kernel.
+    _run_in_interpreter(_CHAIN_ROWS_IN_INTERPRETER, timeout=300)
+
+
 _SLOTS_FOR_SM90 = """
 import re
 import triton

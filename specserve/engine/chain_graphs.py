@@ -23,6 +23,7 @@ costs no sync. On a CPU the same program runs eagerly with the reference attenti
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -40,6 +41,13 @@ from specserve.transfer import tensor_on
 
 
 GREEDY = SamplingParams(temperature=0.0)  # the settings of a padding row
+
+# On a GPU, a sequence's catch-up rows and verified rows attend as one run over the context before the step (read
+# once for all of them), each row then seeing the step's rows up to itself as its tail, as a tree's verified nodes
+# do; otherwise each row attends like a decode row, reading the context itself. On the H200 a batch-1 chain step
+# took 4.756 ms with this against 4.806 (benchmarks/spec_step_parts.py). SPECSERVE_CHAIN_SHARED_CONTEXT=0 is the
+# A/B switch.
+SHARED_CONTEXT = os.environ.get("SPECSERVE_CHAIN_SHARED_CONTEXT", "1") == "1"
 
 # Backlogs up to this many rows a sequence catch up as decode rows on a GPU; longer ones (the head left behind
 # for a long shut spell) as a prefill chunk, which reads each context once instead of once per row.
@@ -275,7 +283,12 @@ class SpecGraphs:
         """The whole program: inputs of following rows, the forwards, and what a following step reads. `params`
         (one per row) where some row samples; None: every row is greedy."""
         self._follow(bs, n)
-        packed = _packed(*self._forward(bs, n, self._metas(bs, n), forced, params))
+        return self._forward_packed(bs, n, self._metas(bs, n), forced, params)
+
+    def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
+                        params: list[SamplingParams] | None) -> torch.Tensor:
+        """The forwards and acceptance, packed (`_packed`), also kept with each row's root for a following step."""
+        packed = _packed(*self._forward(bs, n, metas, forced, params))
         self.last_packed[:bs] = packed
         self.last_root[:bs] = self._roots(bs)
         return packed
@@ -374,6 +387,19 @@ class ChainGraphs(SpecGraphs):
                 "root_ids": ((b,), 0), "verify_pos": ((b, w), 0), "verify_slots": ((b, w), 0), "limit": ((b,), 0),
                 "forced": ((b,), 0)}
 
+    def _allocate(self) -> None:
+        super()._allocate()
+        # What the attention of each forward reads besides positions and slots, written each step from them
+        # (`_row_inputs`): context lengths, tails, and the page table once per row. Static, for capture.
+        b, w = self.max_bs, self.width
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.row_lens = {name: torch.zeros(b * w, **i32) for name in ("catch", "verify")}
+        self.row_tails = {name: torch.zeros(b * w, w, dtype=torch.long, device=self.device)
+                          for name in ("catch", "verify")}
+        self.tail_lens = torch.arange(1, w + 1, **i32).repeat(b)  # row j of a sequence sees rows 0..j
+        self.extend_lens = torch.zeros(self.extend_pos.shape, **i32)
+        self.row_tables = {n: torch.zeros(b * w, t.shape[1], **i32) for n, t in self.tables.items()}
+
     def fits(self, batch: StepBatch) -> bool:
         return self._rows_fit(batch, self.k)
 
@@ -422,18 +448,72 @@ class ChainGraphs(SpecGraphs):
     # -- the program --------------------------------------------------------
     def _metas(self, bs: int, n: int) -> dict[str, AttentionMetadata | list]:
         """Attention metadata of the three forwards, from the uploaded buffers (static tensors, for capture)."""
+        if self.device.type == "cuda":
+            from specserve.engine import triton_follow
+
+            if triton_follow.ROWS_ENABLED:
+                return self._row_inputs(bs, n)
         table = self.tables[n][:bs]
         row_table = table.repeat_interleave(self.width, dim=0)
         head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
 
         def meta(slots, positions, tables_, kv_heads):
             return decode_rows_meta(positions, slots, tables_, self.page_size, kv_heads, n)
+        def rows(slots, positions, kv_heads):
+            if SHARED_CONTEXT and table.is_cuda:
+                return self._shared_context_meta(slots, positions, row_table, kv_heads, n)
+            return meta(slots.view(-1), positions.view(-1), row_table, kv_heads)
         return {
-            "catch": meta(self.catch_slots[:bs].view(-1), self.catch_pos[:bs].view(-1), row_table, head_kv),
+            "catch": rows(self.catch_slots[:bs], self.catch_pos[:bs], head_kv),
             "extend": [meta(self.extend_slots[i, :bs], self.extend_pos[i, :bs], table, head_kv)
                        for i in range(self.k - 1)],
-            "verify": meta(self.verify_slots[:bs].view(-1), self.verify_pos[:bs].view(-1), row_table, target_kv),
+            "verify": rows(self.verify_slots[:bs], self.verify_pos[:bs], target_kv),
         }
+
+    def _row_inputs(self, bs: int, n: int) -> dict[str, AttentionMetadata | list]:
+        """`_metas` on a GPU: one kernel writes every length, tail and row table (engine/triton_follow.py)."""
+        from specserve.engine import triton_follow
+
+        triton_follow.chain_rows(self, bs, n, SHARED_CONTEXT)
+        rows = bs * self.width
+        row_table, table = self.row_tables[n][:rows], self.tables[n][:bs]
+        head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
+
+        def meta(name, slots, kv_heads):
+            tails = dict(tail_slots=self.row_tails[name][:rows], tail_lens=self.tail_lens[:rows],
+                         rows_per_seq=self.width) if SHARED_CONTEXT else {}
+            return AttentionMetadata.for_decode_kernel(slots[:bs].view(-1), row_table, self.row_lens[name][:rows],
+                                                       self.page_size, kv_heads, n, **tails)
+        return {
+            "catch": meta("catch", self.catch_slots, head_kv),
+            "extend": [AttentionMetadata.for_decode_kernel(self.extend_slots[i, :bs], table, self.extend_lens[i, :bs],
+                                                           self.page_size, head_kv, n) for i in range(self.k - 1)],
+            "verify": meta("verify", self.verify_slots, target_kv),
+        }
+
+    def _shared_context_meta(self, slots: torch.Tensor, positions: torch.Tensor, row_table: torch.Tensor,
+                             kv_heads: int, n: int) -> AttentionMetadata:
+        """A sequence's `width` rows (slots and positions [bs, width], consecutive) as one run over the context
+        before its first row, read once for all, each row then attending to the rows up to itself as its tail."""
+        bs, w = slots.shape
+        tail_lens = torch.arange(1, w + 1, dtype=torch.int32, device=slots.device).repeat(bs)
+        return AttentionMetadata.for_decode_kernel(
+            slots.reshape(-1), row_table, positions[:, :1].to(torch.int32).repeat_interleave(w, 0).view(-1),
+            self.page_size, kv_heads, n, tail_slots=slots.repeat_interleave(w, 0), tail_lens=tail_lens,
+            rows_per_seq=w)
+
+    def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
+                        params: list[SamplingParams] | None) -> torch.Tensor:
+        if params is not None or self.device.type != "cuda":
+            return super()._forward_packed(bs, n, metas, forced, params)
+        from specserve.engine import triton_accept
+
+        if not triton_accept.ENABLED:
+            return super()._forward_packed(bs, n, metas, forced, params)
+        drafts = self._draft(bs, metas)
+        best = argmax(self._verify_logits(bs, drafts, metas["verify"]))
+        return triton_accept.accept_and_pack(drafts, best, forced, self.limit[:bs], self._roots(bs), self.last_packed,
+                                             self.last_root)
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
                  params: list[SamplingParams] | None = None):

@@ -88,3 +88,61 @@ def follow_rows(program, bs: int, table: torch.Tensor) -> None:
         program.last_packed.stride(0), table.stride(0), 0 if tree else program.extend_pos.stride(0), table.shape[1],
         program.page_size, program.pad_slot, W=width, W_P2=triton.next_power_of_2(width), MORE=more,
         MORE_P2=max(triton.next_power_of_2(max(more, 1)), 1), TREE=tree)
+
+
+# The chain program's attention inputs that follow from its positions and slots (ChainGraphs._metas): in PyTorch
+# a copy, an add and a cast per forward and more for shared contexts, ~10-20 kernels of a few elements in every
+# step's graph. This kernel writes them in one launch. SPECSERVE_FUSED_ROWS=0 is the A/B switch.
+ROWS_ENABLED = os.environ.get("SPECSERVE_FUSED_ROWS", "1") == "1"
+
+
+@triton.jit
+def _row_lens_and_tails(POS, SLOTS, LENS, TAILS, b, W: tl.constexpr, W_P2: tl.constexpr, SHARED: tl.constexpr):
+    """Sequence b's W rows: each one's context length (SHARED: the context before the first row, and as its tail
+    the rows up to itself, W slots a row of TAILS; else up to and including itself)."""
+    j = tl.arange(0, W_P2)
+    in_w = j < W
+    if SHARED:
+        tl.store(LENS + b * W + j, tl.load(POS + b * W).to(tl.int32), mask=in_w)
+        slots = tl.load(SLOTS + b * W + j, mask=in_w, other=0)
+        r = tl.arange(0, W_P2)[:, None]
+        tl.store(TAILS + (b * W + r) * W + j[None, :], slots[None, :] + 0 * r, mask=(r < W) & in_w[None, :])
+    else:
+        tl.store(LENS + b * W + j, (tl.load(POS + b * W + j, mask=in_w, other=0) + 1).to(tl.int32), mask=in_w)
+
+
+@triton.jit
+def _chain_rows_kernel(TABLE, ROW_TABLE, CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS, VERIFY_POS, VERIFY_SLOTS,
+                       VERIFY_LENS, VERIFY_TAILS, EXTEND_POS, EXTEND_LENS, stride_table, stride_row_table,
+                       stride_level, stride_lens_level, pages, W: tl.constexpr, W_P2: tl.constexpr,
+                       MORE: tl.constexpr, MORE_P2: tl.constexpr, SHARED: tl.constexpr,
+                       PAGE_BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    _row_lens_and_tails(CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS, b, W, W_P2, SHARED)
+    _row_lens_and_tails(VERIFY_POS, VERIFY_SLOTS, VERIFY_LENS, VERIFY_TAILS, b, W, W_P2, SHARED)
+    i = tl.arange(0, MORE_P2)
+    extend = tl.load(EXTEND_POS + i * stride_level + b, mask=i < MORE, other=0)
+    tl.store(EXTEND_LENS + i * stride_lens_level + b, (extend + 1).to(tl.int32), mask=i < MORE)
+    # The sequence's page table once for each of its rows.
+    r = tl.arange(0, W_P2)[:, None]
+    for p0 in range(0, pages, PAGE_BLOCK):
+        p = p0 + tl.arange(0, PAGE_BLOCK)
+        row = tl.load(TABLE + b * stride_table + p, mask=p < pages, other=0)
+        tl.store(ROW_TABLE + (b * W + r) * stride_row_table + p[None, :], row[None, :] + 0 * r,
+                 mask=(r < W) & (p < pages)[None, :])
+
+
+def chain_rows(program, bs: int, n: int, shared: bool) -> None:
+    """Writes the chain program's per-row attention inputs for `bs` sequences in context bucket n: each catch-up and
+    verified row's context length and (shared) tail, each draft level's context lengths, and the page table once
+    per row (ChainGraphs._row_inputs names the buffers)."""
+    w, more = program.width, program.k - 1
+    table, row_table = program.tables[n], program.row_tables[n]
+    for name in ("catch_pos", "catch_slots", "verify_pos", "verify_slots"):
+        assert getattr(program, name).stride(0) == w, name
+    _chain_rows_kernel[(bs,)](
+        table, row_table, program.catch_pos, program.catch_slots, program.row_lens["catch"], program.row_tails["catch"],
+        program.verify_pos, program.verify_slots, program.row_lens["verify"], program.row_tails["verify"],
+        program.extend_pos, program.extend_lens, table.stride(0), row_table.stride(0), program.extend_pos.stride(0),
+        program.extend_lens.stride(0), table.shape[1], W=w, W_P2=triton.next_power_of_2(w), MORE=more,
+        MORE_P2=max(triton.next_power_of_2(max(more, 1)), 1), SHARED=shared, PAGE_BLOCK=64)
