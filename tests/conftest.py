@@ -258,6 +258,16 @@ def check_rms_norm_pair(device: str, dtype: torch.dtype, tolerance: float) -> No
     expected = pointwise._EAGER["rms_norm_pair"](a.cpu(), weight_a.cpu(), b.cpu(), weight_b.cpu(), 1e-5)
     assert got.shape == (2, 3, 192)
     torch.testing.assert_close(got.cpu(), expected, atol=tolerance, rtol=tolerance)
+    # a as a table whose rows are looked up (the head's token embedding): ids repeated, and read with a stride.
+    table = torch.randn(50, 96, device=device).to(dtype) * 4
+    ids = torch.tensor([[7, 9, 0, 9, 49], [7, 9, 3, 9, 12]], device=device)[:, ::2]
+    got = triton_pointwise.rms_norm_pair(table, weight_a, b, weight_b, 1e-5, ids)
+    expected = pointwise._EAGER["rms_norm_pair"](table.cpu(), weight_a.cpu(), b.cpu(), weight_b.cpu(), 1e-5,
+                                                 ids.cpu())
+    assert torch.equal(expected[..., :96], pointwise._EAGER["rms_norm"](table.cpu()[ids.cpu()], weight_a.cpu(), 1e-5))
+    torch.testing.assert_close(got.cpu(), expected, atol=tolerance, rtol=tolerance)
+    got = triton_pointwise.rms_norm_pair(table, weight_a, b[0], weight_b, 1e-5, ids[0])  # one strided row of ids
+    torch.testing.assert_close(got.cpu(), expected[0], atol=tolerance, rtol=tolerance)
 
 
 def check_accept_and_pack(device: str) -> None:

@@ -103,3 +103,19 @@ def test_a_head_saved_in_shards_loads_the_same(tmp_path):
     loaded = load_eagle3_head(tmp_path, TARGET, torch.float32, torch.device("cpu"), 512)
     for (name, a), b in zip(original.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_head_looks_its_tokens_up_and_stops_rows_nobody_reads():
+    # The draft programs pass the embedding table with token ids, and ask only for each sequence's last catch-up
+    # row: the same numbers as embedding first and selecting after, and every row's KV is still stored.
+    head = load_eagle3_head(None, TARGET, torch.float32, torch.device("cpu"), 512, seed=3)
+    g = torch.Generator().manual_seed(5)
+    table, ids = torch.randn(VOCAB, H, generator=g), torch.tensor([5, 299, 5, 17, 0])
+    hidden = head.project_taps([torch.randn(5, 3 * H, generator=g)])
+    meta = AttentionMetadata.build([3, 2], [0, 0], [[0], [1]], 16, torch.device("cpu"))
+    caches = [torch.zeros(1, 2, 32, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    full = head(table[ids], hidden, torch.tensor([0, 1, 2, 0, 1]), meta, caches[0])
+    rows = torch.tensor([2, 4])
+    picked = head(table, hidden, torch.tensor([0, 1, 2, 0, 1]), meta, caches[1], ids, rows=rows)
+    torch.testing.assert_close(picked, full[rows], atol=1e-6, rtol=1e-6)
+    assert torch.equal(caches[0], caches[1]) and caches[1].abs().sum() > 0

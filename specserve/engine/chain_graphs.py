@@ -530,15 +530,15 @@ class ChainGraphs(SpecGraphs):
     def _draft(self, bs: int, metas: dict) -> torch.Tensor:
         """The head catches up, then drafts k tokens greedily: [bs, k] target ids."""
         head, drafter = self.head, self.drafter
-        embed = self.target.embed_tokens
+        embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
         catch_slots = self.catch_slots[:bs].view(-1)
-        out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], self.catch_pos[:bs].view(-1),
-                   metas["catch"], drafter.kv_cache)
-        state = out[self.last_row[:bs]]
+        # Of the catch-up rows, only each sequence's last (its newest token) feeds the drafts.
+        state = head(embedding, drafter.taps[catch_slots], self.catch_pos[:bs].view(-1), metas["catch"],
+                     drafter.kv_cache, self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
         token = argmax(head.compute_logits(state), head.d2t)  # in target ids
         drafts = [token]
         for i in range(self.k - 1):
-            state = head(embed(token), state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache)
+            state = head(embedding, state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache, token)
             token = argmax(head.compute_logits(state), head.d2t)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

@@ -203,13 +203,14 @@ class TreeGraphs(SpecGraphs):
     def _search(self, bs: int, n: int):
         """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level."""
         head, drafter, k = self.head, self.drafter, self.topk
-        embed = self.target.embed_tokens
+        embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
         head_kv = head.config.model.num_kv_heads
         catch_slots = self.catch_slots[:bs].view(-1)
         catch_pos = self.catch_pos[:bs].view(-1)
         meta = self._rows_meta(bs, n, catch_slots, catch_pos + 1, self.width, head_kv)
-        out = head(embed(self.catch_ids[:bs].view(-1)), drafter.taps[catch_slots], catch_pos, meta, drafter.kv_cache)
-        state = out[self.last_row[:bs]]  # [bs, H]: what the root's children are fed with
+        # [bs, H]: what the root's children are fed with, from each sequence's last catch-up row
+        state = head(embedding, drafter.taps[catch_slots], catch_pos, meta, drafter.kv_cache,
+                     self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
         values, indices = log_softmax_topk(head.compute_logits(state), k)
         tokens, scores = [head.to_target_ids(indices)], [values]
         parents = [torch.full((bs, k), -1, dtype=torch.long, device=self.device)]
@@ -226,8 +227,8 @@ class TreeGraphs(SpecGraphs):
             path = torch.cat([path, own[..., None]], dim=-1)
             meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head_kv, path.reshape(bs * k, level),
                                    self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
-            out = head(embed(fed_tokens.reshape(-1)), fed_states.reshape(bs * k, -1), fed_root + (level - 1), meta,
-                       drafter.kv_cache)
+            out = head(embedding, fed_states.reshape(bs * k, -1), fed_root + (level - 1), meta, drafter.kv_cache,
+                       fed_tokens.reshape(-1))
             values, indices = log_softmax_topk(head.compute_logits(out), k)
             child_scores = (fed_scores[..., None] + values.view(bs, k, k)).view(bs, k * k)
             child_tokens = head.to_target_ids(indices).view(bs, k * k)

@@ -38,8 +38,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
-                  eps: float) -> torch.Tensor:
-    """[RMSNorm(a) | RMSNorm(b)] along the last dimension: an EAGLE-3 head's input."""
+                  eps: float, a_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[RMSNorm(a) | RMSNorm(b)] along the last dimension: an EAGLE-3 head's input. With `a_rows`, a is a table
+    (the token embedding) and its rows a_rows take a's place (on a GPU the lookup is then part of the kernel)."""
+    if a_rows is not None:
+        a = F.embedding(a_rows, a)
     return torch.cat([rms_norm(a, weight_a, eps), rms_norm(b, weight_b, eps)], dim=-1)
 
 
@@ -101,8 +104,8 @@ def _if(applies, kernel):
     """The kernel where `applies(*args)`, else the eager function of the same name."""
     eager = _EAGER[kernel.__name__]
 
-    def dispatch(*args):
-        return kernel(*args) if applies(*args) else eager(*args)
+    def dispatch(*args, **kwargs):
+        return kernel(*args, **kwargs) if applies(*args, **kwargs) else eager(*args, **kwargs)
     return dispatch
 
 
@@ -111,8 +114,9 @@ def _same_dtypes(x, weight, eps, residual=None) -> bool:
     return x.dtype == weight.dtype and (residual is None or residual.dtype == x.dtype)
 
 
-def _pair_same_dtypes(a, weight_a, b, weight_b, eps) -> bool:
-    return a.dtype == weight_a.dtype == b.dtype == weight_b.dtype and a.shape == b.shape
+def _pair_same_dtypes(a, weight_a, b, weight_b, eps, a_rows=None) -> bool:
+    shape_a = a.shape if a_rows is None else (*a_rows.shape, a.shape[-1])
+    return a.dtype == weight_a.dtype == b.dtype == weight_b.dtype and shape_a == b.shape
 
 
 def _half_power_of_two(positions, cos_sin, q, *rest) -> bool:

@@ -138,10 +138,10 @@ def _rms_norm_kernel(X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stri
 
 
 @triton.jit
-def _rms_norm_pair_kernel(A, B, WA, WB, OUT, stride_a, stride_b, stride_o, WIDTH, eps, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+def _rms_norm_pair_kernel(A, B, WA, WB, OUT, A_ROWS, stride_a, stride_b, stride_o, WIDTH, eps, BLOCK: tl.constexpr,
+                          HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Row t of [RMSNorm(A) | RMSNorm(B)]: program (t, 0) writes the first half, (t, 1) the second; rounded as
-    _rms_norm_kernel rounds."""
+    _rms_norm_kernel rounds. HAS_ROWS: A's row A_ROWS[t] instead of row t (an embedding lookup)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -149,7 +149,8 @@ def _rms_norm_pair_kernel(A, B, WA, WB, OUT, stride_a, stride_b, stride_o, WIDTH
     cols = tl.arange(0, BLOCK)
     ok = cols < WIDTH
     if half == 0:
-        x = tl.load(A + row * stride_a + cols, mask=ok, other=0.0)
+        a_row = tl.load(A_ROWS + row).to(tl.int64) if HAS_ROWS else row
+        x = tl.load(A + a_row * stride_a + cols, mask=ok, other=0.0)
         w = tl.load(WA + cols, mask=ok, other=0.0)
     else:
         x = tl.load(B + row * stride_b + cols, mask=ok, other=0.0)
@@ -161,20 +162,26 @@ def _rms_norm_pair_kernel(A, B, WA, WB, OUT, stride_a, stride_b, stride_o, WIDTH
 
 
 def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
-                  eps: float) -> torch.Tensor:
+                  eps: float, a_rows: torch.Tensor | None = None) -> torch.Tensor:
     """[RMSNorm(a) | RMSNorm(b)] for a and b [..., W] (each with its norm's weight, one eps), [..., 2W], in one
-    kernel instead of two norms and a concatenation (an EAGLE-3 head's input, once per draft step)."""
-    if b.shape != a.shape or b.dtype != a.dtype or b.device != a.device:
-        raise ValueError(f"rms_norm_pair needs a and b alike, got {a.shape} {a.dtype} and {b.shape} {b.dtype}")
+    kernel instead of two norms and a concatenation (an EAGLE-3 head's input, once per draft step). With `a_rows`
+    (shaped like b's leading dimensions), a is a table [rows, W] whose rows a_rows take a's place: the head's
+    token embedding, looked up in the same kernel."""
+    shape_a = a.shape if a_rows is None else (*a_rows.shape, a.shape[-1])
+    if b.shape != shape_a or b.dtype != a.dtype or b.device != a.device or (a_rows is not None and a.dim() != 2):
+        raise ValueError(f"rms_norm_pair needs a and b alike, got {shape_a} {a.dtype} and {b.shape} {b.dtype}")
     width = a.shape[-1]
-    a_rows, b_rows = (t.reshape(-1, width) for t in (a, b))
-    a_rows, b_rows = (t if t.stride(-1) == 1 else t.contiguous() for t in (a_rows, b_rows))
-    out = torch.empty(a_rows.shape[0], 2 * width, dtype=a.dtype, device=a.device)
-    if a_rows.shape[0]:
-        _rms_norm_pair_kernel[(a_rows.shape[0], 2)](a_rows, b_rows, weight_a, weight_b, out, a_rows.stride(0),
-                                                    b_rows.stride(0), out.stride(0), width, eps,
-                                                    BLOCK=triton.next_power_of_2(width), **triton_pdl.launch_options(a))
-    return out.view(*a.shape[:-1], 2 * width)
+    b_flat = b.reshape(-1, width)
+    a_flat = a.reshape(-1, width) if a_rows is None else a
+    a_flat, b_flat = (t if t.stride(-1) == 1 else t.contiguous() for t in (a_flat, b_flat))
+    rows = a_rows.reshape(-1).contiguous() if a_rows is not None else b_flat  # (unread without HAS_ROWS)
+    out = torch.empty(b_flat.shape[0], 2 * width, dtype=a.dtype, device=a.device)
+    if b_flat.shape[0]:
+        _rms_norm_pair_kernel[(b_flat.shape[0], 2)](a_flat, b_flat, weight_a, weight_b, out, rows, a_flat.stride(0),
+                                                    b_flat.stride(0), out.stride(0), width, eps,
+                                                    BLOCK=triton.next_power_of_2(width), HAS_ROWS=a_rows is not None,
+                                                    **triton_pdl.launch_options(a))
+    return out.view(*b.shape[:-1], 2 * width)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

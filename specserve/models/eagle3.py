@@ -83,11 +83,14 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        # Both norms are built with the config's eps; on a GPU one kernel norms both into the layer's input.
+    def forward(self, embeds, hidden, positions, rotary, kv_cache, meta, token_ids=None, rows=None) -> torch.Tensor:
+        # Both norms are built with the config's eps; on a GPU one kernel norms both into the layer's input (and
+        # looks the tokens up in the embedding, given their ids).
         x = pointwise.rms_norm_pair(embeds, self.input_layernorm.weight, hidden, self.hidden_norm.weight,
-                                    self.input_layernorm.eps)
-        hidden = self.self_attn(x, positions, rotary, kv_cache, meta, add=hidden)
+                                    self.input_layernorm.eps, token_ids)
+        # Past attention each row is on its own, so rows nobody reads stop there.
+        residual = hidden if rows is None else hidden[rows]
+        hidden = self.self_attn(x, positions, rotary, kv_cache, meta, add=residual, rows=rows)
         return self.mlp(hidden, self.post_attention_layernorm, add=hidden)
 
 
@@ -118,9 +121,12 @@ class Eagle3Head(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [1, 2, num_slots, Hkv, D]
+        token_ids: torch.Tensor | None = None,  # [T]: then `embeds` is the target's embedding table [V, H]
+        rows: torch.Tensor | None = None,  # [R]: only these rows' outputs are wanted (all T rows' KV is stored)
     ) -> torch.Tensor:
-        """Returns the pre-norm hidden state: feed it back for the next draft step, or to `compute_logits`."""
-        return self.midlayer(embeds, hidden, positions, self.rotary, kv_cache[0], meta)
+        """Returns the pre-norm hidden state ([T, H], or [R, H] with `rows`): feed it back for the next draft
+        step, or to `compute_logits`."""
+        return self.midlayer(embeds, hidden, positions, self.rotary, kv_cache[0], meta, token_ids, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (the norm folded into the lm_head's GEMV where that runs: one kernel fewer a

@@ -47,8 +47,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         norm: RMSNorm | None = None,
         add: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """o_proj(attention(qkv_proj(norm(x)))) + add; norm and add are optional."""
+        """o_proj(attention(qkv_proj(norm(x)))) + add; norm and add are optional. With `rows`, only those rows'
+        outputs (every row's keys and values are stored; `add` holds the chosen rows)."""
         q, k, v = self.qkv_proj(x, norm=norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -56,7 +58,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.rotate_and_store(positions, q, k, v, kv_cache, meta.slot_mapping)
-        return self.o_proj(attend(q, k, v, kv_cache, meta, self.scale), add=add)
+        out = attend(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out if rows is None else out[rows], add=add)
 
 
 class MLP(nn.Module):
