@@ -65,8 +65,8 @@ def place_at(program, context: int) -> int:
 
 def chain_parts(program, n: int) -> dict:
     metas = program._metas(1, n)
-    draft, drafts = graphed(lambda: program._draft(1, metas))
-    verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
+    draft, _ = graphed(lambda: program._draft(1, metas))
+    verify, _ = graphed(lambda: program._verify(1, metas["verify"]))
     whole, _ = graphed(lambda: program._step(1, n, program.forced[:1]))
     return {"draft: head catch-up + k drafts": draft, "verify: target over root + k": verify, "whole step": whole}
 

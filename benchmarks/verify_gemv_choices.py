@@ -116,7 +116,7 @@ def main() -> None:
     with torch.inference_mode():
         n = place_at(program, args.context)
         metas = program._metas(1, n)
-        _, drafts = graphed(lambda: program._draft(1, metas))
+        graphed(lambda: program._draft(1, metas))
         plain_ms = cuda_ms(plain_step(engine.runner, args.context, BASE.cache.page_size), args.repeats)
 
         def verify_ms(decisions: dict) -> float:
@@ -132,7 +132,7 @@ def main() -> None:
 
             triton_gemv.choice.tile = recording  # shadows the method for this capture
             try:
-                verify, _ = graphed(lambda: program._verify(1, drafts, metas["verify"]))
+                verify, _ = graphed(lambda: program._verify(1, metas["verify"]))
             finally:
                 del triton_gemv.choice.tile
             return cuda_ms(verify, args.repeats), looked_up

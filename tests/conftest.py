@@ -242,6 +242,9 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(argmax(logits.view(1, rows, vocab)).cpu(), expected.view(1, rows)), (rows, vocab)
         offsets = torch.randint(0, 100_000, (vocab,), device=device)
         assert torch.equal(argmax(logits, offsets).cpu(), expected + offsets.cpu()[expected]), (rows, vocab)
+        into = torch.full((rows, 3), -1, device=device)  # a column of a buffer, as a chain's drafts are written
+        assert argmax(logits, offsets, out=into[:, 1]).data_ptr() == into[:, 1].data_ptr()
+        assert torch.equal(into[:, 1].cpu(), expected + offsets.cpu()[expected]) and (into[:, ::2] == -1).all()
 
 
 def check_rms_norm_pair(device: str, dtype: torch.dtype, tolerance: float) -> None:
@@ -300,7 +303,8 @@ def check_accept_and_pack(device: str) -> None:
 def check_chain_rows(device: str) -> None:
     """The chain program's per-row attention inputs from one kernel (engine/triton_follow.chain_rows) against their
     PyTorch form: context lengths (to and including each row, or before a shared context's first row), tails,
-    draft levels' lengths, and the page table repeated per row; rows past the batch left alone. On a GPU, or in
+    draft levels' lengths, the page table repeated per row, and each root as the verify's first id; rows past the
+    batch left alone. On a GPU, or in
     Triton's interpreter."""
     from types import SimpleNamespace
 
@@ -312,7 +316,8 @@ def check_chain_rows(device: str) -> None:
         rand = lambda *shape: torch.randint(0, 10_000, shape, device=device)  # noqa: E731
         i32 = dict(dtype=torch.int32, device=device)
         program = SimpleNamespace(
-            width=w, k=k, tables={n: torch.randint(0, 500, (max_bs, pages), **i32)},
+            width=w, k=k, tables={n: torch.randint(0, 500, (max_bs, pages), **i32)}, root_ids=rand(max_bs),
+            verify_ids=torch.full((max_bs, w), -1, dtype=torch.long, device=device),
             row_tables={n: torch.full((max_bs * w, pages), -1, **i32)},
             catch_pos=rand(max_bs, w), catch_slots=rand(max_bs, w), verify_pos=rand(max_bs, w),
             verify_slots=rand(max_bs, w), extend_pos=rand(max(k - 1, 1), max_bs),
@@ -335,6 +340,8 @@ def check_chain_rows(device: str) -> None:
             if k > 1:
                 assert torch.equal(program.extend_lens[:, :bs].cpu(), (program.extend_pos[:, :bs] + 1).int().cpu())
             assert (program.extend_lens[:, bs:] == -1).all()
+            assert torch.equal(program.verify_ids[:bs, 0].cpu(), program.root_ids[:bs].cpu())
+            assert (program.verify_ids[:, 1:] == -1).all() and (program.verify_ids[bs:] == -1).all()
             expected = program.tables[n][:bs].repeat_interleave(w, 0)
             assert torch.equal(program.row_tables[n][:rows].cpu(), expected.cpu()), k
             assert (program.row_tables[n][rows:] == -1).all()

@@ -399,6 +399,7 @@ class ChainGraphs(SpecGraphs):
         self.tail_lens = torch.arange(1, w + 1, **i32).repeat(b)  # row j of a sequence sees rows 0..j
         self.extend_lens = torch.zeros(self.extend_pos.shape, **i32)
         self.row_tables = {n: torch.zeros(b * w, t.shape[1], **i32) for n, t in self.tables.items()}
+        self.verify_ids = torch.zeros(b, w, dtype=torch.long, device=self.device)  # each root, then its drafts
 
     def fits(self, batch: StepBatch) -> bool:
         return self._rows_fit(batch, self.k)
@@ -447,18 +448,21 @@ class ChainGraphs(SpecGraphs):
 
     # -- the program --------------------------------------------------------
     def _metas(self, bs: int, n: int) -> dict[str, AttentionMetadata | list]:
-        """Attention metadata of the three forwards, from the uploaded buffers (static tensors, for capture)."""
+        """Attention metadata of the three forwards, from the uploaded buffers (static tensors, for capture); also
+        puts each root in the verify's ids, before the drafts."""
         if self.device.type == "cuda":
             from specserve.engine import triton_follow
 
             if triton_follow.ROWS_ENABLED:
                 return self._row_inputs(bs, n)
+        self.verify_ids[:bs, 0] = self.root_ids[:bs]
         table = self.tables[n][:bs]
         row_table = table.repeat_interleave(self.width, dim=0)
         head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
 
         def meta(slots, positions, tables_, kv_heads):
             return decode_rows_meta(positions, slots, tables_, self.page_size, kv_heads, n)
+
         def rows(slots, positions, kv_heads):
             if SHARED_CONTEXT and table.is_cuda:
                 return self._shared_context_meta(slots, positions, row_table, kv_heads, n)
@@ -471,7 +475,8 @@ class ChainGraphs(SpecGraphs):
         }
 
     def _row_inputs(self, bs: int, n: int) -> dict[str, AttentionMetadata | list]:
-        """`_metas` on a GPU: one kernel writes every length, tail and row table (engine/triton_follow.py)."""
+        """`_metas` on a GPU: one kernel writes every length, tail and row table, and the roots into the verify's
+        ids (engine/triton_follow.py)."""
         from specserve.engine import triton_follow
 
         triton_follow.chain_rows(self, bs, n, SHARED_CONTEXT)
@@ -511,14 +516,14 @@ class ChainGraphs(SpecGraphs):
         if not triton_accept.ENABLED:
             return super()._forward_packed(bs, n, metas, forced, params)
         drafts = self._draft(bs, metas)
-        best = argmax(self._verify_logits(bs, drafts, metas["verify"]))
+        best = argmax(self._verify_logits(bs, metas["verify"]))
         return triton_accept.accept_and_pack(drafts, best, forced, self.limit[:bs], self._roots(bs), self.last_packed,
                                              self.last_root)
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
                  params: list[SamplingParams] | None = None):
         drafts = self._draft(bs, metas)
-        logits = self._verify_logits(bs, drafts, metas["verify"])
+        logits = self._verify_logits(bs, metas["verify"])
         greedy = accept_chain(drafts, argmax(logits), forced, self.limit[:bs])
         if params is None:
             return greedy
@@ -535,22 +540,22 @@ class ChainGraphs(SpecGraphs):
         # Of the catch-up rows, only each sequence's last (its newest token) feeds the drafts.
         state = head(embedding, drafter.taps[catch_slots], self.catch_pos[:bs].view(-1), metas["catch"],
                      drafter.kv_cache, self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
-        token = argmax(head.compute_logits(state), head.d2t)  # in target ids
-        drafts = [token]
+        # Each draft goes straight into the verify's ids (in target ids), after the root `_metas` put there.
+        drafts = self.verify_ids[:bs, 1:]
+        token = argmax(head.compute_logits(state), head.d2t, out=drafts[:, 0])
         for i in range(self.k - 1):
             state = head(embedding, state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache, token)
-            token = argmax(head.compute_logits(state), head.d2t)
-            drafts.append(token)
-        return torch.stack(drafts, dim=1)
+            token = argmax(head.compute_logits(state), head.d2t, out=drafts[:, i + 1])
+        return drafts
 
-    def _verify(self, bs: int, drafts: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _verify(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         """The target's argmax after root + each draft [bs, k + 1]; stores their KV and the head's taps."""
-        return argmax(self._verify_logits(bs, drafts, meta))
+        return argmax(self._verify_logits(bs, meta))
 
-    def _verify_logits(self, bs: int, drafts: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The target's logits after root + each draft [bs, k + 1, V]; stores their KV and the head's taps."""
-        verify_ids = torch.cat([self.root_ids[:bs, None], drafts], dim=1).view(-1)
-        hidden, captured = self.target(verify_ids, self.verify_pos[:bs].view(-1), meta, self.kv_cache,
+    def _verify_logits(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The target's logits after root + each draft [bs, k + 1, V] (the ids `_metas` and `_draft` left in
+        verify_ids); stores their KV and the head's taps."""
+        hidden, captured = self.target(self.verify_ids[:bs].view(-1), self.verify_pos[:bs].view(-1), meta, self.kv_cache,
                                        self.drafter.capture_layers)
         self.drafter.observe(captured, meta.slot_mapping)
         return self.target.compute_logits(hidden).view(bs, self.width, -1)

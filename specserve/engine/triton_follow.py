@@ -112,12 +112,13 @@ def _row_lens_and_tails(POS, SLOTS, LENS, TAILS, b, W: tl.constexpr, W_P2: tl.co
 
 
 @triton.jit
-def _chain_rows_kernel(TABLE, ROW_TABLE, CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS, VERIFY_POS, VERIFY_SLOTS,
+def _chain_rows_kernel(TABLE, ROW_TABLE, ROOT_IDS, VERIFY_IDS, CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS, VERIFY_POS, VERIFY_SLOTS,
                        VERIFY_LENS, VERIFY_TAILS, EXTEND_POS, EXTEND_LENS, stride_table, stride_row_table,
                        stride_level, stride_lens_level, pages, W: tl.constexpr, W_P2: tl.constexpr,
                        MORE: tl.constexpr, MORE_P2: tl.constexpr, SHARED: tl.constexpr,
                        PAGE_BLOCK: tl.constexpr):
     b = tl.program_id(0)
+    tl.store(VERIFY_IDS + b * W, tl.load(ROOT_IDS + b))  # the verify's first id; the drafts follow it
     _row_lens_and_tails(CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS, b, W, W_P2, SHARED)
     _row_lens_and_tails(VERIFY_POS, VERIFY_SLOTS, VERIFY_LENS, VERIFY_TAILS, b, W, W_P2, SHARED)
     i = tl.arange(0, MORE_P2)
@@ -135,13 +136,13 @@ def _chain_rows_kernel(TABLE, ROW_TABLE, CATCH_POS, CATCH_SLOTS, CATCH_LENS, CAT
 def chain_rows(program, bs: int, n: int, shared: bool) -> None:
     """Writes the chain program's per-row attention inputs for `bs` sequences in context bucket n: each catch-up and
     verified row's context length and (shared) tail, each draft level's context lengths, and the page table once
-    per row (ChainGraphs._row_inputs names the buffers)."""
+    per row (ChainGraphs._row_inputs names the buffers); and each root as the first of the verify's ids."""
     w, more = program.width, program.k - 1
     table, row_table = program.tables[n], program.row_tables[n]
-    for name in ("catch_pos", "catch_slots", "verify_pos", "verify_slots"):
+    for name in ("catch_pos", "catch_slots", "verify_pos", "verify_slots", "verify_ids"):
         assert getattr(program, name).stride(0) == w, name
     _chain_rows_kernel[(bs,)](
-        table, row_table, program.catch_pos, program.catch_slots, program.row_lens["catch"], program.row_tails["catch"],
+        table, row_table, program.root_ids, program.verify_ids, program.catch_pos, program.catch_slots, program.row_lens["catch"], program.row_tails["catch"],
         program.verify_pos, program.verify_slots, program.row_lens["verify"], program.row_tails["verify"],
         program.extend_pos, program.extend_lens, table.stride(0), row_table.stride(0), program.extend_pos.stride(0),
         program.extend_lens.stride(0), table.shape[1], W=w, W_P2=triton.next_power_of_2(w), MORE=more,

@@ -23,19 +23,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     return torch.where(is_greedy, greedy, drawn)
 
 
-def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """The greedy token of each row: argmax over the last dimension, plus offsets[argmax] where `offsets` is
-    given (an EAGLE-3 head's draft-to-target id map). On a GPU two small Triton kernels
-    (layers/triton_argmax.py) take the place of torch.argmax, which spends tens of microseconds on a few rows
-    of a large vocabulary, and add the offsets too; the graphs of decode and speculative steps use it
-    (SPECSERVE_FUSED_ARGMAX=0 is the A/B switch)."""
+    given (an EAGLE-3 head's draft-to-target id map); written into `out` (int64, any stride) where given. On a
+    GPU two small Triton kernels (layers/triton_argmax.py) take the place of torch.argmax, which spends tens of
+    microseconds on a few rows of a large vocabulary, and add the offsets too; the graphs of decode and
+    speculative steps use it (SPECSERVE_FUSED_ARGMAX=0 is the A/B switch)."""
     if logits.is_cuda:
         from specserve.layers import triton_argmax  # Triton: GPU machines only
 
         if triton_argmax.ENABLED and triton_argmax.supports(logits):
-            return triton_argmax.argmax(logits, offsets)
+            return triton_argmax.argmax(logits, offsets, out)
     best = logits.argmax(dim=-1)
-    return best if offsets is None else best + offsets[best]
+    best = best if offsets is None else best + offsets[best]
+    return best if out is None else out.copy_(best)
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:

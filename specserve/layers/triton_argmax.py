@@ -51,8 +51,8 @@ def _best(x, index, none):
     return tl.where(first_nan < none, float("nan"), top), tl.where(first_nan < none, first_nan, first_top)
 
 
-@triton.jit(do_not_specialize=["blocks"])
-def _argmax_merge_kernel(PART_VALUE, PART_INDEX, OFFSETS, OUT, blocks, BLOCKS_P2: tl.constexpr,
+@triton.jit(do_not_specialize=["blocks", "stride_out"])
+def _argmax_merge_kernel(PART_VALUE, PART_INDEX, OFFSETS, OUT, blocks, stride_out, BLOCKS_P2: tl.constexpr,
                          HAS_OFFSETS: tl.constexpr, PDL: tl.constexpr):
     """One row: the best of its blocks' picks, the lower index on a tie; plus OFFSETS at that index if given."""
     row = tl.program_id(0)
@@ -65,7 +65,7 @@ def _argmax_merge_kernel(PART_VALUE, PART_INDEX, OFFSETS, OUT, blocks, BLOCKS_P2
     first = first.to(tl.int64)
     if HAS_OFFSETS:
         first += tl.load(OFFSETS + first)
-    tl.store(OUT + row, first)
+    tl.store(OUT + row * stride_out, first)
 
 
 MAX_VOCAB = 65535 * BLOCK  # a row's blocks are the launch grid's second dimension, at most 65,535
@@ -75,9 +75,11 @@ def supports(logits: torch.Tensor) -> bool:
     return logits.stride(-1) == 1 and 0 < logits.shape[-1] <= MAX_VOCAB
 
 
-def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for logits [..., vocab] with unit stride along the vocabulary; with
-    `offsets` [vocab] (int64), each pick i plus offsets[i] (a draft vocabulary's ids mapped to the target's)."""
+    `offsets` [vocab] (int64), each pick i plus offsets[i] (a draft vocabulary's ids mapped to the target's).
+    `out`: where to write the picks (int64, the leading shape, a single stride; a fresh tensor if None)."""
     vocab = logits.shape[-1]
     if offsets is not None and (offsets.shape != (vocab,) or offsets.dtype != torch.int64 or offsets.stride(0) != 1):
         raise ValueError(f"offsets must be contiguous int64 of shape ({vocab},), got {offsets.dtype} "
@@ -88,12 +90,17 @@ def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.T
     blocks = triton.cdiv(vocab, BLOCK)
     part_value = torch.empty(rows.shape[0], blocks, dtype=torch.float32, device=logits.device)
     part_index = torch.empty(rows.shape[0], blocks, dtype=torch.int32, device=logits.device)
-    out = torch.empty(rows.shape[0], dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    elif out.shape != logits.shape[:-1] or out.dtype != torch.int64 or (out.dim() > 1 and not out.is_contiguous()):
+        raise ValueError(f"out must be int64 of shape {tuple(logits.shape[:-1])}, one stride, got {out.dtype} "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
+    stride_out = out.stride(0) if out.dim() == 1 else 1
     if rows.shape[0]:
         pdl = triton_pdl.launch_options(logits)
         _argmax_block_kernel[(rows.shape[0], blocks)](rows, part_value, part_index, rows.stride(0), vocab,
                                                       BLOCK=BLOCK, num_warps=4, **pdl)
         _argmax_merge_kernel[(rows.shape[0],)](part_value, part_index, out if offsets is None else offsets, out,
-                                               blocks, BLOCKS_P2=triton.next_power_of_2(blocks),
+                                               blocks, stride_out, BLOCKS_P2=triton.next_power_of_2(blocks),
                                                HAS_OFFSETS=offsets is not None, num_warps=1, **pdl)
-    return out.view(logits.shape[:-1])
+    return out
