@@ -132,15 +132,17 @@ if want candidates; then
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
   # The GEMV kernel after the fix of its swapped moved-norm form (the squares read x again), TMA tiles on by
-  # default: the fold test (7 of its 9 cases and the whole match test passed before a time limit stopped that
-  # run) and the folded-norm decoder test; the swapped-tile check as last changed (its gate/up reference); the
-  # EAGLE-3 head's folded lm_head norm and argmax offsets in bf16; then batch 1 end to end.
+  # default: the fold test (7 of its 9 cases and the whole match test passed before time limits stopped two
+  # runs) and the folded-norm decoder test; the swapped-tile check as last changed (its gate/up reference); then
+  # the A/B of the head's lookups and last-row catch-up against the commit before them (run from a checkout of
+  # it in $BASE, if set).
   python3 benchmarks/gemv_tma_probe.py --check --out "$OUT/gemv_tma_check.json"
-  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider \
-    -k "folds_rmsnorm or folded_norms or head_logits" 2>&1 \
+  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "folds_rmsnorm or folded_norms" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
-  python3 benchmarks/spec_off_tax.py --batch-sizes 1 --setups plain "EAGLE-3 chain 3, simulated tau 3" \
-    "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" --out "$OUT/spec_bs1_pending.json"
+  (cd benchmarks && python3 spec_step_parts.py --out "$OUT/spec_step_parts_pending.json")
+  if [[ -n ${BASE:-} ]]; then
+    (cd "$BASE/benchmarks" && PYTHONPATH=$BASE python3 spec_step_parts.py --out "$OUT/spec_step_parts_pending_base.json")
+  fi
 fi
 if want agreement; then
   # Greedy output with and without speculation in bf16: the 8B shape (random weights and head), then SmolLM2 with
