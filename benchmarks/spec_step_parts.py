@@ -124,8 +124,8 @@ def main() -> None:
     setups = {"chain": ("chain 3 drafts", CHAIN), "tree": ("tree top-4, 5 steps, 16 tokens", TREE)}
     for name, spec in (setups[s] for s in args.setups):
         results[name] = measure(spec, args.context, args.repeats, args.kernels)
-        print(name, {k: v for k, v in results[name].items() if k in ("critical_path_groups",) or "kernel" not in k
-                    and "critical" not in k}, flush=True)
+        print(name, {k: v for k, v in results[name].items()
+                    if k == "critical_path_groups" or ("kernel" not in k and "critical" not in k)}, flush=True)
     from specserve.layers import triton_gemv
 
     gemv = triton_gemv.choice.report()

@@ -304,10 +304,11 @@ def check_chain_rows(device: str) -> None:
     """The chain program's per-row attention inputs from one kernel (engine/triton_follow.chain_rows) against their
     PyTorch form: context lengths (to and including each row, or before a shared context's first row), tails,
     draft levels' lengths, the page table repeated per row, and each root as the verify's first id; rows past the
-    batch left alone. On a GPU, or in
-    Triton's interpreter."""
+    batch left alone. A shared context's lengths and tails also against ChainGraphs' PyTorch form of them. On a
+    GPU, or in Triton's interpreter."""
     from types import SimpleNamespace
 
+    from specserve.engine.chain_graphs import ChainGraphs
     from specserve.engine.triton_follow import chain_rows
 
     torch.manual_seed(0)
@@ -337,8 +338,16 @@ def check_chain_rows(device: str) -> None:
                     tails = slots.repeat_interleave(w, 0)
                     assert torch.equal(program.row_tails[name][:rows].cpu(), tails.cpu()), (k, name)
                     assert (program.row_tails[name][rows:] == -1).all()
+                    # What the program's PyTorch form (its A/B switch) gives for the same rows.
+                    meta = ChainGraphs._shared_context_meta(SimpleNamespace(page_size=16), slots, pos,
+                                                            program.row_tables[n][:rows], 1, n)
+                    assert torch.equal(meta.seq_lens.cpu(), program.row_lens[name][:rows].cpu()), (k, name)
+                    assert torch.equal(meta.tail_slots.cpu(), tails.cpu()) and meta.rows_per_seq == w
+                    assert torch.equal(meta.tail_lens.cpu(), torch.arange(1, w + 1, dtype=torch.int32).repeat(bs))
             if k > 1:
                 assert torch.equal(program.extend_lens[:, :bs].cpu(), (program.extend_pos[:, :bs] + 1).int().cpu())
+            else:  # no draft levels: the one placeholder level stays unwritten
+                assert (program.extend_lens == -1).all()
             assert (program.extend_lens[:, bs:] == -1).all()
             assert torch.equal(program.verify_ids[:bs, 0].cpu(), program.root_ids[:bs].cpu())
             assert (program.verify_ids[:, 1:] == -1).all() and (program.verify_ids[bs:] == -1).all()

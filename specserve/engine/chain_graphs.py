@@ -11,9 +11,11 @@ fixed shapes, so a whole step fits in one program, with one read-back at the end
    a sampled row, each draft with the target's probability for it, then a draw from what is left
    (`accept_chain_sampled`).
 
-Every row attends like a decode row (its own context length, its sequence's page table), so the paged decode
-kernel serves all three forwards. The head's draft nodes take their KV at their own positions in the
-mirrored pages, not in scratch slots: the next catch-up rewrites every position a later query can see.
+Every row attends through its sequence's page table, so the paged decode kernel serves all three forwards: on a
+GPU a sequence's catch-up rows and verified rows as one run over the context before them, each then seeing the
+step's rows up to itself as its tail (SHARED_CONTEXT); otherwise, and the draft levels, each row like a decode
+row, up to and including itself. The head's draft nodes take their KV at their own positions in the mirrored
+pages, not in scratch slots: the next catch-up rewrites every position a later query can see.
 
 Greedy requests, and sampled requests without a seed (a seeded request draws from its own generator in the
 general path, so that its output does not depend on what shares its batches). Steps with sampled rows run the
@@ -219,8 +221,8 @@ class SpecGraphs:
             self.drafter.catch_up(behind, batch.page_size)
 
     def _extend_head(self, seqs) -> torch.Tensor:
-        """The head over each sequence's catch-up, every row attending like a decode row, as in the program;
-        returns its output rows (the drafting state after each), in order.
+        """The head over each sequence's catch-up, every row attending like a decode row (as the program's rows do
+        without SHARED_CONTEXT); returns its output rows (the drafting state after each), in order.
         Prefill attention took 40-1,100 ms per call on the H200 for a few rows (new shapes each time: the
         context grows every step), where this takes the decode kernel the graphs already built. Each row
         reads its whole context, so it is kept to short backlogs."""
@@ -533,7 +535,8 @@ class ChainGraphs(SpecGraphs):
         return tuple(torch.where(is_greedy.view(-1, *[1] * (g.dim() - 1)), g, s) for g, s in zip(greedy, sampled))
 
     def _draft(self, bs: int, metas: dict) -> torch.Tensor:
-        """The head catches up, then drafts k tokens greedily: [bs, k] target ids."""
+        """The head catches up, then drafts k tokens greedily: [bs, k] target ids, a view of `verify_ids` (which
+        the next step overwrites)."""
         head, drafter = self.head, self.drafter
         embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
         catch_slots = self.catch_slots[:bs].view(-1)
@@ -555,8 +558,8 @@ class ChainGraphs(SpecGraphs):
     def _verify_logits(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         """The target's logits after root + each draft [bs, k + 1, V] (the ids `_metas` and `_draft` left in
         verify_ids); stores their KV and the head's taps."""
-        hidden, captured = self.target(self.verify_ids[:bs].view(-1), self.verify_pos[:bs].view(-1), meta, self.kv_cache,
-                                       self.drafter.capture_layers)
+        hidden, captured = self.target(self.verify_ids[:bs].view(-1), self.verify_pos[:bs].view(-1), meta,
+                                       self.kv_cache, self.drafter.capture_layers)
         self.drafter.observe(captured, meta.slot_mapping)
         return self.target.compute_logits(hidden).view(bs, self.width, -1)
 

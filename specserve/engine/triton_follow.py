@@ -1,4 +1,5 @@
-"""The inputs of rows that follow the last launch, derived on the GPU in one kernel.
+"""The inputs of rows that follow the last launch, derived on the GPU in one kernel; and, in another, the chain
+program's per-row attention inputs (`chain_rows`, below).
 
 `SpecGraphs._follow` and the programs' `_follow_root` state in PyTorch what a following row's inputs are: the
 head's catch-up on the last step's root and accepted drafts, the new root and its token, and every slot from
@@ -112,11 +113,12 @@ def _row_lens_and_tails(POS, SLOTS, LENS, TAILS, b, W: tl.constexpr, W_P2: tl.co
 
 
 @triton.jit
-def _chain_rows_kernel(TABLE, ROW_TABLE, ROOT_IDS, VERIFY_IDS, CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS, VERIFY_POS, VERIFY_SLOTS,
-                       VERIFY_LENS, VERIFY_TAILS, EXTEND_POS, EXTEND_LENS, stride_table, stride_row_table,
-                       stride_level, stride_lens_level, pages, W: tl.constexpr, W_P2: tl.constexpr,
-                       MORE: tl.constexpr, MORE_P2: tl.constexpr, SHARED: tl.constexpr,
+def _chain_rows_kernel(TABLE, ROW_TABLE, ROOT_IDS, VERIFY_IDS, CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS,
+                       VERIFY_POS, VERIFY_SLOTS, VERIFY_LENS, VERIFY_TAILS, EXTEND_POS, EXTEND_LENS, stride_table,
+                       stride_row_table, stride_level, stride_lens_level, pages, W: tl.constexpr,
+                       W_P2: tl.constexpr, MORE: tl.constexpr, MORE_P2: tl.constexpr, SHARED: tl.constexpr,
                        PAGE_BLOCK: tl.constexpr):
+    """Sequence b's inputs of the chain program's forwards: see chain_rows. MORE: its draft levels (k - 1)."""
     b = tl.program_id(0)
     tl.store(VERIFY_IDS + b * W, tl.load(ROOT_IDS + b))  # the verify's first id; the drafts follow it
     _row_lens_and_tails(CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS, b, W, W_P2, SHARED)
@@ -142,8 +144,8 @@ def chain_rows(program, bs: int, n: int, shared: bool) -> None:
     for name in ("catch_pos", "catch_slots", "verify_pos", "verify_slots", "verify_ids"):
         assert getattr(program, name).stride(0) == w, name
     _chain_rows_kernel[(bs,)](
-        table, row_table, program.root_ids, program.verify_ids, program.catch_pos, program.catch_slots, program.row_lens["catch"], program.row_tails["catch"],
-        program.verify_pos, program.verify_slots, program.row_lens["verify"], program.row_tails["verify"],
+        table, row_table, program.root_ids, program.verify_ids, program.catch_pos, program.catch_slots,
+        program.row_lens["catch"], program.row_tails["catch"], program.verify_pos, program.verify_slots, program.row_lens["verify"], program.row_tails["verify"],
         program.extend_pos, program.extend_lens, table.stride(0), row_table.stride(0), program.extend_pos.stride(0),
         program.extend_lens.stride(0), table.shape[1], W=w, W_P2=triton.next_power_of_2(w), MORE=more,
         MORE_P2=max(triton.next_power_of_2(max(more, 1)), 1), SHARED=shared, PAGE_BLOCK=64)

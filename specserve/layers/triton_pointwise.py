@@ -137,9 +137,9 @@ def _rms_norm_kernel(X, RES, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stri
              mask=ok)
 
 
-@triton.jit
-def _rms_norm_pair_kernel(A, B, WA, WB, OUT, A_ROWS, stride_a, stride_b, stride_o, WIDTH, eps, BLOCK: tl.constexpr,
-                          HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_rows"])
+def _rms_norm_pair_kernel(A, B, WA, WB, OUT, A_ROWS, stride_a, stride_b, stride_o, stride_rows, WIDTH, eps,
+                          BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Row t of [RMSNorm(A) | RMSNorm(B)]: program (t, 0) writes the first half, (t, 1) the second; rounded as
     _rms_norm_kernel rounds. HAS_ROWS: A's row A_ROWS[t] instead of row t (an embedding lookup)."""
     if PDL:
@@ -149,7 +149,7 @@ def _rms_norm_pair_kernel(A, B, WA, WB, OUT, A_ROWS, stride_a, stride_b, stride_
     cols = tl.arange(0, BLOCK)
     ok = cols < WIDTH
     if half == 0:
-        a_row = tl.load(A_ROWS + row).to(tl.int64) if HAS_ROWS else row
+        a_row = tl.load(A_ROWS + row * stride_rows).to(tl.int64) if HAS_ROWS else row
         x = tl.load(A + a_row * stride_a + cols, mask=ok, other=0.0)
         w = tl.load(WA + cols, mask=ok, other=0.0)
     else:
@@ -174,11 +174,12 @@ def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weig
     b_flat = b.reshape(-1, width)
     a_flat = a.reshape(-1, width) if a_rows is None else a
     a_flat, b_flat = (t if t.stride(-1) == 1 else t.contiguous() for t in (a_flat, b_flat))
-    rows = a_rows.reshape(-1).contiguous() if a_rows is not None else b_flat  # (unread without HAS_ROWS)
+    # A chain's drafts are a column of its verify ids: read with their stride, not copied.
+    rows = a_rows.reshape(-1) if a_rows is not None else b_flat[:, 0]  # (unread without HAS_ROWS)
     out = torch.empty(b_flat.shape[0], 2 * width, dtype=a.dtype, device=a.device)
     if b_flat.shape[0]:
         _rms_norm_pair_kernel[(b_flat.shape[0], 2)](a_flat, b_flat, weight_a, weight_b, out, rows, a_flat.stride(0),
-                                                    b_flat.stride(0), out.stride(0), width, eps,
+                                                    b_flat.stride(0), out.stride(0), rows.stride(0), width, eps,
                                                     BLOCK=triton.next_power_of_2(width), HAS_ROWS=a_rows is not None,
                                                     **triton_pdl.launch_options(a))
     return out.view(*b.shape[:-1], 2 * width)
