@@ -52,10 +52,9 @@ def accept_and_pack(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tens
     """`_packed(*accept_chain(drafts, best, forced, limit))` [B, k + 2], also copied to last_packed[:B], with
     roots [B] copied to last_root[:B]. All int64."""
     bs, k = drafts.shape
-    tensors = (drafts, best, limit, roots, last_packed, last_root) + ((forced,) if forced is not None else ())
-    if (any(t.dtype != torch.int64 for t in tensors) or best.shape != (bs, k + 1)
-            or any(t.stride(-1) != 1 for t in (drafts, best, limit, last_packed, last_root)
-                   + ((forced,) if forced is not None else ()))):
+    read_by_row = (drafts, best, limit, last_packed, last_root) + ((forced,) if forced is not None else ())
+    if (any(t.dtype != torch.int64 for t in read_by_row + (roots,)) or best.shape != (bs, k + 1)
+            or any(t.stride(-1) != 1 for t in read_by_row)):
         raise ValueError("accept_and_pack takes int64 tensors, rows with unit stride, best as [B, k + 1]")
     packed = torch.empty(bs, k + 2, dtype=torch.int64, device=drafts.device)
     _accept_kernel[(bs,)](drafts, best, forced if forced is not None else limit, limit, roots, packed, last_packed,

@@ -107,7 +107,8 @@ def _row_lens_and_tails(POS, SLOTS, LENS, TAILS, b, W: tl.constexpr, W_P2: tl.co
         tl.store(LENS + b * W + j, tl.load(POS + b * W).to(tl.int32), mask=in_w)
         slots = tl.load(SLOTS + b * W + j, mask=in_w, other=0)
         r = tl.arange(0, W_P2)[:, None]
-        tl.store(TAILS + (b * W + r) * W + j[None, :], slots[None, :] + 0 * r, mask=(r < W) & in_w[None, :])
+        tl.store(TAILS + (b * W + r) * W + j[None, :], tl.broadcast_to(slots[None, :], (W_P2, W_P2)),
+                 mask=(r < W) & in_w[None, :])
     else:
         tl.store(LENS + b * W + j, (tl.load(POS + b * W + j, mask=in_w, other=0) + 1).to(tl.int32), mask=in_w)
 
@@ -131,8 +132,8 @@ def _chain_rows_kernel(TABLE, ROW_TABLE, ROOT_IDS, VERIFY_IDS, CATCH_POS, CATCH_
     for p0 in range(0, pages, PAGE_BLOCK):
         p = p0 + tl.arange(0, PAGE_BLOCK)
         row = tl.load(TABLE + b * stride_table + p, mask=p < pages, other=0)
-        tl.store(ROW_TABLE + (b * W + r) * stride_row_table + p[None, :], row[None, :] + 0 * r,
-                 mask=(r < W) & (p < pages)[None, :])
+        tl.store(ROW_TABLE + (b * W + r) * stride_row_table + p[None, :],
+                 tl.broadcast_to(row[None, :], (W_P2, PAGE_BLOCK)), mask=(r < W) & (p < pages)[None, :])
 
 
 def chain_rows(program, bs: int, n: int, shared: bool) -> None:
@@ -145,7 +146,8 @@ def chain_rows(program, bs: int, n: int, shared: bool) -> None:
         assert getattr(program, name).stride(0) == w, name
     _chain_rows_kernel[(bs,)](
         table, row_table, program.root_ids, program.verify_ids, program.catch_pos, program.catch_slots,
-        program.row_lens["catch"], program.row_tails["catch"], program.verify_pos, program.verify_slots, program.row_lens["verify"], program.row_tails["verify"],
-        program.extend_pos, program.extend_lens, table.stride(0), row_table.stride(0), program.extend_pos.stride(0),
-        program.extend_lens.stride(0), table.shape[1], W=w, W_P2=triton.next_power_of_2(w), MORE=more,
+        program.row_lens["catch"], program.row_tails["catch"], program.verify_pos, program.verify_slots,
+        program.row_lens["verify"], program.row_tails["verify"], program.extend_pos, program.extend_lens,
+        table.stride(0), row_table.stride(0), program.extend_pos.stride(0), program.extend_lens.stride(0),
+        table.shape[1], W=w, W_P2=triton.next_power_of_2(w), MORE=more,
         MORE_P2=max(triton.next_power_of_2(max(more, 1)), 1), SHARED=shared, PAGE_BLOCK=64)
