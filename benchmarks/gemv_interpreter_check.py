@@ -1,6 +1,6 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
-either norm form), at 1, 3 and 16 rows, rows-left and swapped tiles (with TMA loads and without), shapes that
+either norm form; and with an fp8 weight and its scales), at 1, 3 and 16 rows, rows-left and swapped tiles (with TMA loads and without), shapes that
 divide the tiles and shapes that do not, widths within one step of the main loop and over several. For checking
 kernel changes on a machine without a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs
 `pip install triton` (its CPU wheel runs the interpreter). fp16: the interpreter's bf16 dot is wrong.
@@ -54,6 +54,24 @@ def forms(x, weight, gamma, residual, tile):
             yield name, out, torch.nn.functional.silu(gate) * up
 
 
+def fp8_forms(x, weight, gamma, residual, tile):
+    """Each form with the weight in fp8 and a scale per row (`Linear.quantize_fp8`), against fp32 math on the
+    values it holds."""
+    quantized, scale = triton_gemv.quantize_fp8_rows(weight)
+    wf, xf = quantized.float() * scale[:, None], x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
+
+    def gemv(*args, **kwargs):
+        return triton_gemv.gemv(x, quantized, tile, *args, scale=scale, **kwargs)
+
+    yield "fp8", gemv(), xf @ wf.T
+    yield "fp8, add", gemv(residual=residual), xf @ wf.T + residual.float()
+    yield "fp8, norm", gemv(gamma, 1e-5), normed @ wf.T
+    if weight.shape[0] % 2 == 0:
+        gate, up = (normed @ wf.T).to(x.dtype).float().chunk(2, dim=-1)
+        yield "fp8, gate/up, norm", gemv(gamma, 1e-5, gate_up=True), torch.nn.functional.silu(gate) * up
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -72,7 +90,8 @@ def main() -> None:
             gamma = (torch.rand(width) + 0.5).half()
             residual = torch.randn(rows, out_features).half()
             for tile in tiles:
-                for form, out, reference in forms(x, weight, gamma, residual, tile):
+                checked = [*forms(x, weight, gamma, residual, tile), *fp8_forms(x, weight, gamma, residual, tile)]
+                for form, out, reference in checked:
                     error = (out.float() - reference).abs()
                     results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile), "form": form,
                                     "max_abs_error": round(error.max().item(), 5),

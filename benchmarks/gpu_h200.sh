@@ -9,6 +9,7 @@
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
+# fp8head: the draft head in fp8, its GPU tests and batch-1 chain and tree steps against the bf16 head.
 # pending (only when named): the GPU tests and timings of what was written but has not run on a GPU yet.
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with a fresh descent's GEMV decisions
 # (SPECSERVE_GEMV_CHOICES; the H200's shipped ones by default), SPECSERVE_FUSED_TOPK (on by default) and
@@ -16,7 +17,7 @@
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending]
+#        [tax] [fp8head] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +80,18 @@ if want adaptsweep || want treeadapt; then
 fi
 if want tax; then
   python3 benchmarks/spec_off_tax.py --profile --host-profile --out "$OUT/spec_off_tax_h200.json"
+fi
+if want fp8head; then
+  # The draft head's projections in fp8 (--speculative-draft-model-quantization fp8): its GPU tests, then batch-1
+  # decode over 256 tokens, plain against the chain and tree with the head as loaded (bf16) and in fp8 (acceptance
+  # simulated, so only the step's cost differs). Its GEMV decisions are timed here and saved.
+  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "fp8" 2>&1 | grep --line-buffered -v DEBUG \
+    | tee "$OUT/gpu_tests_fp8_head_h200.log"
+  python3 benchmarks/spec_off_tax.py --batch-sizes 1 --output-len 256 --setups plain \
+    "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 chain 3, fp8 head, simulated tau 3" \
+    "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
+    "EAGLE-3 tree top-4, 5 steps, 16 tokens, fp8 head, simulated tau 4" \
+    --save-choices "$OUT/gemv_choices_fp8_head_h200.json" --out "$OUT/spec_bs1_256_fp8_head_h200.json"
 fi
 if want profile; then
   python3 benchmarks/profile_gpu_step.py --out "$OUT/profile_gpu_step_h200.json" > "$OUT/profile.log" 2>&1

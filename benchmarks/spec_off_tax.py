@@ -1,7 +1,8 @@
 """Is speculation that is switched off free? On one GPU, Llama-3.1-8B shape with random bf16 weights:
 plain decode vs the same engine with an EAGLE-3 head configured but a plan of 0 drafts (graphs replay and
 the head's taps are stored), vs drafting a 3-token chain every step with acceptance simulated at tau = 3, vs a
-top-4 tree of 15 drafts (16 verified tokens) over 5 levels at simulated tau = 4 (random head of the target's shape). Per decode
+top-4 tree of 15 drafts (16 verified tokens) over 5 levels at simulated tau = 4 (random head of the target's shape),
+and the chain and tree again with the head's projections in fp8 (--speculative-draft-model-quantization). Per decode
 step it also reports the wall time and the device time of the step's CUDA-graph replay (plain, chain and tree steps),
 so the host's share of a step shows.
 
@@ -33,6 +34,12 @@ SETUPS = {
     "EAGLE-3 chain 3, simulated tau 3": (SpecConfig("EAGLE3", None, 3, simulate_accept_len=3.0), None),
     "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4":
         (SpecConfig("EAGLE3", None, 5, 4, 16, simulate_accept_len=4.0), None),
+    # The same with the head's projections in fp8 (--speculative-draft-model-quantization fp8): what that saves
+    # a step. Acceptance is simulated, so its price shows only on a trained head (fp8_head_acceptance_cpu.sh).
+    "EAGLE-3 chain 3, fp8 head, simulated tau 3":
+        (SpecConfig("EAGLE3", None, 3, simulate_accept_len=3.0, draft_model_quantization="fp8"), None),
+    "EAGLE-3 tree top-4, 5 steps, 16 tokens, fp8 head, simulated tau 4":
+        (SpecConfig("EAGLE3", None, 5, 4, 16, simulate_accept_len=4.0, draft_model_quantization="fp8"), None),
 }
 
 
@@ -110,12 +117,17 @@ def main() -> None:
                    help="after each setup's batch-1 run, list the kernels of its last step's graph (torch.profiler)")
     p.add_argument("--host-profile", action="store_true",
                    help="profile the host (cProfile) in each setup's batch-1 run and keep its top functions")
+    p.add_argument("--save-choices", metavar="FILE",
+                   help="write the GEMV decisions this run timed (shapes the shipped decisions lack, such as an fp8 "
+                        "head's), in the form layers/gemv_decisions/ ships them")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
+    # Graphs are captured for the batch sizes the run asks for, not for all up to 256.
+    base = replace(BASE, scheduler=replace(BASE.scheduler, max_running_requests=max(args.batch_sizes)))
     for name in args.setups:
         spec, plan = SETUPS[name]
-        engine, _ = build_engine_core(replace(BASE, spec=spec), progress=False)
+        engine, _ = build_engine_core(replace(base, spec=spec), progress=False)
         if plan is not None:
             engine.scheduler.draft_plan = lambda request: plan
         for batch in args.batch_sizes:
@@ -140,8 +152,14 @@ def main() -> None:
     from specserve.layers import triton_gemv
 
     gemv = triton_gemv.choice.report()
+    if args.save_choices:
+        from specserve.layers import gemv_choices
+
+        timed = {key: tile for key, tile in triton_gemv.choice.best.items() if key in triton_gemv.choice.timings}
+        gemv_choices.save(timed, args.save_choices, torch.cuda.get_device_name())
     report = {"benchmark": "spec_off_tax", "gemv_choices": gemv, "hardware": hardware_info(), "simulated": "the acceptance of the chain and tree rows",
-              "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16"}, "results": rows}
+              "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16",
+                                                  "max_running_requests": max(args.batch_sizes)}, "results": rows}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

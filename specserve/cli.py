@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "given it)")
     s.add_argument("--disable-speculative-adaptive", dest="speculative_adaptive", action="store_false",
                    help="draft in every decode step with no prompt pending")
+    s.add_argument("--speculative-draft-model-quantization", default=None, choices=["fp8"],
+                   help="EAGLE3: the head's projections in fp8, weight-only (half the bytes a draft step reads; "
+                        "the output is still verified by the target)")
     s.add_argument("--speculative-simulate-accept-len", type=float, default=None,
                    help="speed studies only: accept drafts at random with this mean acceptance length; the "
                         "output is not the model's and is labelled simulated")
@@ -93,7 +96,8 @@ def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecCon
     if adaptive is None:
         adaptive = bundled_head
     return SpecConfig(algorithm, head, 3 if steps is None else steps, 1 if topk is None else topk,
-                      args.speculative_num_draft_tokens, args.speculative_simulate_accept_len, adaptive)
+                      args.speculative_num_draft_tokens, args.speculative_simulate_accept_len, adaptive,
+                      args.speculative_draft_model_quantization)
 
 
 def _runs_on_cpu(args: argparse.Namespace) -> bool:

@@ -140,12 +140,20 @@ class SpecConfig:
     # Draft only in steps, and for requests, where it pays by measured cost and acceptance (spec/plan.py);
     # off, every decode step drafts whenever no prompt is pending.
     adaptive: bool = False
+    # "fp8": the EAGLE-3 head's projections in fp8 (weight-only, a scale per output feature), as SGLang's
+    # --speculative-draft-model-quantization: half the bytes a draft step reads. Output stays the target's (every
+    # token is verified); what it may cost is acceptance (README).
+    draft_model_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.simulate_accept_len is not None and (self.algorithm is None or self.simulate_accept_len < 1):
             raise ValueError("--speculative-simulate-accept-len needs a speculative algorithm and a value >= 1")
         if self.algorithm not in (None, "EAGLE3", "DRAFT_MODEL"):
             raise ValueError(f"unsupported speculative algorithm {self.algorithm!r}")
+        if self.draft_model_quantization not in (None, "fp8"):
+            raise ValueError(f"unsupported draft model quantization {self.draft_model_quantization!r} (fp8 or none)")
+        if self.draft_model_quantization and self.algorithm != "EAGLE3":
+            raise ValueError("--speculative-draft-model-quantization applies to an EAGLE3 head")
         if self.algorithm == "DRAFT_MODEL" and not self.draft_model_path:
             raise ValueError("--speculative-draft-model-path is required with DRAFT_MODEL")
         if self.num_steps < 1 or self.eagle_topk < 1:

@@ -191,3 +191,30 @@ def test_nan_stays_nan(kernels):
     k, v = torch.randn(2, 1, 2, 64, generator=g)
     out = paged_attention(q, k, v, cache, meta, 0.125).view(1, 4, 64)
     assert out[0, 1].isnan().all() and not out[0, 0].isnan().any()
+
+
+def test_fp8_quantized_linear_holds_e4m3_values_with_a_scale_per_row():
+    # Weight-only fp8 (the draft head's --speculative-draft-model-quantization fp8). On a CPU the weight keeps
+    # its dtype and holds the quantized values: each row is e4m3 numbers times its scale, its largest magnitude
+    # kept (to fp32 rounding), every value within e4m3's rounding (3 mantissa bits: half a step is 1/16 of a value, and
+    # below e4m3's normal range, half the smallest step, scale * 2^-10). A row of zeros stays zeros.
+    from specserve.layers.linear import FP8, quantize_fp8_rows
+
+    torch.manual_seed(0)
+    linear = Linear(300, 40, bias=False)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-4, 1, 300)[None, :])  # magnitudes over five decades in each row
+        linear.weight[3] = 0.0
+    original = linear.weight.detach().clone()
+    linear.quantize_fp8()
+    quantized, scale = quantize_fp8_rows(original)
+    assert quantized.dtype == FP8 and scale.shape == (40,) and linear.weight.dtype == torch.float32
+    assert torch.equal(linear.weight, quantized.float() * scale[:, None])
+    torch.testing.assert_close(linear.weight.abs().amax(dim=1), original.abs().amax(dim=1), rtol=1e-6, atol=0)
+    bound = torch.maximum(original.abs() / 16, scale[:, None] * 2**-10)
+    assert ((linear.weight - original).abs() <= bound * (1 + 1e-6)).all()
+    assert not torch.equal(linear.weight, original) and not linear.weight[3].any()
+    x = torch.randn(5, 300)
+    torch.testing.assert_close(linear(x), x @ linear.weight.T)
+    with pytest.raises(ValueError, match="without a bias"):
+        Linear(8, 8, bias=True).quantize_fp8()

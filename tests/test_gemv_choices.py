@@ -46,7 +46,9 @@ def test_shipped_decisions_are_found_by_gpu_name_and_load_there_only():
     path = gemv_choices.shipped("NVIDIA H200")
     assert path is not None and path.name == "NVIDIA_H200.json"
     decisions = gemv_choices.load(path, "NVIDIA H200")
-    assert decisions and {key[2] for key in decisions} == {4}  # the chain verify's row bucket only
+    # The chain verify's row bucket of the 16-bit weights; every bucket of an fp8 EAGLE-3 head's.
+    assert decisions and {key[2] for key in decisions if key[1] == torch.bfloat16} == {4}
+    assert {key[2] for key in decisions if key[1] == torch.float8_e4m3fn} == {1, 2, 4, 8, 16}
     assert all(tile is None or isinstance(tile, Tile) for tile in decisions.values())
     assert gemv_choices.shipped("NVIDIA GeForce RTX 4090") is None
     with pytest.raises(ValueError, match="NVIDIA H200"):

@@ -593,6 +593,55 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
     assert "cublas" in choice.timings[choice.key(x, weight)]
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
+    """A Linear quantized to fp8 (a draft head's --speculative-draft-model-quantization fp8) computes with the
+    values it holds, e4m3 times a scale per row: every tile (the TMA ones with ordinary loads), plain and in
+    the gate/up form, then the chooser's pick through the Linear, eagerly and replayed in a CUDA graph."""
+    from specserve.layers import triton_gemv, triton_pointwise
+    from specserve.layers.linear import FP8, Linear
+
+    torch.manual_seed(rows)
+    for out_features, in_features in ((4096, 4096), (1000, 200)):
+        linear = Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
+        torch.nn.init.normal_(linear.weight, std=in_features**-0.5)
+        linear.quantize_fp8()
+        assert linear.weight.dtype == FP8 and linear.input_dtype == torch.bfloat16
+        values = linear.weight.float() * linear.weight_scale[:, None]
+        x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+        reference = x.float() @ values.T
+        gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
+        for tile in _every_tile(rows):
+            out = triton_gemv.gemv(x, linear.weight, tile, scale=linear.weight_scale)
+            torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+            gated = _gate_up_or_none(x, linear.weight, tile, scale=linear.weight_scale)
+            if gated is not None:
+                torch.testing.assert_close(gated.float(), gated_reference, atol=2e-2, rtol=2e-2)
+        triton_gemv.decide_all(linear)
+        torch.testing.assert_close(linear(x).float(), reference, atol=2e-2, rtol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = linear(x)
+        graph.replay()
+        torch.testing.assert_close(replayed.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tmp_path):
+    """A head quantized to fp8 drafts with other numbers; the output never changes: the chain and tree programs,
+    replayed in graphs, equal HF greedy (fp32, where the head's fp8 weights are widened for PyTorch's matmul)."""
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    prompts = _prompts(512, seed=5)
+    for spec_args in ((3,), (4, 3, 9)):
+        spec = SpecConfig("EAGLE3", str(tmp_path), *spec_args, draft_model_quantization="fp8")
+        engine, _ = build_engine_core(replace(_tight_config(str(path), 200), device="cuda", spec=spec), progress=False)
+        assert engine.runner.proposer.drafter.head.fc.weight.dtype == torch.float8_e4m3fn
+        outputs, _ = run_staggered(engine, prompts)
+        program = engine.runner.spec_graphs
+        assert program.num_runs > 3 and program.graphs
+        assert outputs == _hf_greedy(path, prompts, "cuda")
+
+
 def _every_tile(rows: int):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
     where they are on (SPECSERVE_GEMV_TMA, on by default)."""

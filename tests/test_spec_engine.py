@@ -305,6 +305,13 @@ def test_sglang_flags_build_the_spec_config():
         SpecConfig("EAGLE3", "head", 1, 2, 8)  # one level of top-2 offers two drafts
     with pytest.raises(ValueError, match="draft-model-path"):
         SpecConfig("DRAFT_MODEL")
+    args = build_parser().parse_args(["serve", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                                      "head", "--speculative-draft-model-quantization", "fp8"])
+    assert engine_config(args).spec.draft_model_quantization == "fp8"
+    with pytest.raises(ValueError, match="applies to an EAGLE3 head"):
+        SpecConfig("DRAFT_MODEL", "draft", draft_model_quantization="fp8")
+    with pytest.raises(ValueError, match="unsupported draft model quantization"):
+        SpecConfig("EAGLE3", "head", draft_model_quantization="int4")
 
 
 def test_the_embedded_default_model_speculates_with_the_bundled_head_by_default():
@@ -338,11 +345,16 @@ def test_the_embedded_default_model_speculates_with_the_bundled_head_by_default(
     assert engine_config(gpu_head, bundled_head=True).spec.adaptive  # asked for: it adapts on any device
 
 
-@pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 3, None), (4, 5, 16)])
-def test_the_bundled_head_is_small_lossless_and_accepts(smollm2_dir, topk, num_steps, num_draft_tokens):
+@pytest.mark.parametrize("topk, num_steps, num_draft_tokens, quantization",
+                         [(1, 3, None, None), (4, 5, 16, None), (1, 3, None, "fp8")])
+def test_the_bundled_head_is_small_lossless_and_accepts(smollm2_dir, topk, num_steps, num_draft_tokens,
+                                                          quantization):
     """The shipped head: bf16 shards of at most 16 MiB, a draft vocabulary of at most 16k tokens, greedy
-    output identical to plain decoding of the embedded model, and real acceptance (a random head gets 1.0)."""
+    output identical to plain decoding of the embedded model, and real acceptance (a random head gets 1.0);
+    also with its projections quantized to fp8 (the output is the target's all the same)."""
     import json
+
+    import torch
 
     from specserve import draft_heads
     from specserve.llm import LLM
@@ -357,8 +369,16 @@ def test_the_bundled_head_is_small_lossless_and_accepts(smollm2_dir, topk, num_s
     prompts = [llm.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     plain = llm.generate(prompts, params)
-    spec = LLM(model=str(smollm2_dir), max_total_tokens=2048,
-               spec=SpecConfig("EAGLE3", str(head), num_steps, topk, num_draft_tokens)).generate(prompts, params)
+    spec_llm = LLM(model=str(smollm2_dir), max_total_tokens=2048,
+                   spec=SpecConfig("EAGLE3", str(head), num_steps, topk, num_draft_tokens,
+                                   draft_model_quantization=quantization))
+    if quantization:  # the head drafting here holds fp8 values (a CPU keeps them in its dtype: Linear.quantize_fp8)
+        from specserve.layers.linear import quantize_fp8_rows
+
+        drafted_with = spec_llm.engine.runner.proposer.drafter.head.midlayer.mlp.down_proj.weight
+        quantized, scale = quantize_fp8_rows(drafted_with)
+        assert torch.equal(drafted_with.float(), quantized.float() * scale[:, None])
+    spec = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     steps = sum(o.num_spec_steps for o in spec)
     tau = (sum(o.num_accepted_tokens for o in spec) + steps) / steps

@@ -222,7 +222,8 @@ def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, d
         # acceptance length could never reach the depths trees are built for. Costs do not change.
         head = load_eagle3_head(path, target_cfg, dtype, device, max_model_len, config.random_seed,
                                 draft_vocab_size=None if path else min(32000, target_cfg.vocab_size),
-                                logit_std=None if path else RANDOM_HEAD_LOGIT_STD)
+                                logit_std=None if path else RANDOM_HEAD_LOGIT_STD,
+                                quantization=spec.draft_model_quantization)
         if head.config.target_hidden_size != target_cfg.hidden_size or head.d2t.max() + head.config.draft_vocab_size > target_cfg.vocab_size:
             raise ValueError("the EAGLE-3 head does not match the target: hidden size or vocabulary differ")
         return head

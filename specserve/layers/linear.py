@@ -32,6 +32,8 @@ FOLD_NORMS = os.environ.get("SPECSERVE_FOLD_NORMS", "1") != "0"
 NORM_IN_WEIGHTS = os.environ.get("SPECSERVE_NORM_IN_WEIGHTS", "1") != "0"
 
 
+FP8 = torch.float8_e4m3fn  # weights only (a draft model's: --speculative-draft-model-quantization fp8)
+
 # From this many rows on (prefill chunks) the weight is read from cache many times over, and MKL's blocked GEMM
 # beats the streaming kernel (measured: 283 vs 338 ms for 1024 rows through four SmolLM2 layers).
 LARGE_M = 256
@@ -44,6 +46,28 @@ class Linear(nn.Linear):
     gated = False  # through `forward_gated`: an MLP's [gate; up] projection
     takes_norm = False  # with an RMSNorm to fold in, where the layer folds
     norm_in_weight = False  # that norm's weight is multiplied into this weight (DecoderLayer, at load)
+    weight_scale: torch.Tensor | None = None  # an fp8 weight's, one per output feature (`quantize_fp8`)
+    _input_dtype: torch.dtype | None = None  # the dtype the weight had before that
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype of the inputs it takes (and of its outputs): its weight's, unless that was quantized."""
+        return self._input_dtype or self.weight.dtype
+
+    def quantize_fp8(self) -> None:
+        """Weight-only fp8 (e4m3), one fp32 scale per output feature (the row's largest magnitude maps to
+        e4m3's largest value): half the bytes a decode step streams. On a GPU the weight is stored in fp8 and the
+        GEMV scales its sums; elsewhere (no fp8 kernels) it keeps its dtype and holds the same quantized values,
+        so a CPU run shows what the rounding does to the outputs."""
+        if self.weight_scale is not None or self.bias is not None:
+            raise ValueError("quantize_fp8 takes an unquantized Linear without a bias")
+        quantized, scale = quantize_fp8_rows(self.weight)
+        if not self.weight.is_cuda:
+            self.weight.data.copy_(quantized.float() * scale[:, None])
+            return
+        self._input_dtype = self.weight.dtype
+        self.weight = nn.Parameter(quantized, requires_grad=False)
+        self.weight_scale = scale
 
     def forward(self, x: torch.Tensor, norm=None, add: torch.Tensor | None = None) -> torch.Tensor:
         """self(norm(x)) + add, with `norm` an RMSNorm and `add` the residual stream, each optional. Where the
@@ -81,7 +105,7 @@ class Linear(nn.Linear):
         """The Triton GEMV tile that a call on x would run, or None where it takes cuBLAS."""
         rows = x.reshape(-1, x.shape[-1])
         if not (TRITON_GEMV and x.is_cuda and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
-                and not torch.is_grad_enabled() and x.dtype == self.weight.dtype):
+                and not torch.is_grad_enabled() and x.dtype == self.input_dtype):
             return None
         from specserve.layers import triton_gemv
 
@@ -106,9 +130,12 @@ class Linear(nn.Linear):
             residual = None if add is None else add.reshape(-1, out_features)
             gamma = None if norm is None or self.norm_in_weight else norm.weight
             out = triton_gemv.gemv(rows, self.weight, tile, gamma, 0.0 if norm is None else norm.eps, residual,
-                                   gate_up, norm=norm is not None)
+                                   gate_up, norm=norm is not None, scale=self.weight_scale)
             return out.view(*x.shape[:-1], out_features)
-        out = F.linear(x, self.weight, self.bias)
+        if self.weight_scale is not None:
+            out = dense_linear(x, self.weight, self.weight_scale)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         if gate_up:
             out = pointwise.silu_and_mul(out)
         return out if add is None else out + add
@@ -137,3 +164,19 @@ def prepack_linears(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepack()
+
+
+def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (fp8 e4m3 [N, K], fp32 scales [N]): each row's largest magnitude maps to e4m3's largest
+    value (a row of zeros gets the smallest scale, not a division by zero)."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / torch.finfo(FP8).max
+    return (weight / scale[:, None]).to(FP8), scale
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T by PyTorch; an fp8 weight (with its per-row `scale`) is widened to x's type (exactly: e4m3
+    values are bf16 and fp16 values) and its products scaled in fp32."""
+    if scale is None:
+        return F.linear(x, weight)
+    return (F.linear(x, weight.to(x.dtype)).float() * scale).to(x.dtype)

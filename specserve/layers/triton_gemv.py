@@ -31,6 +31,7 @@ except ImportError:
     TensorDescriptor = None
 
 from specserve.layers import gemv_choices, triton_pdl
+from specserve.layers.linear import FP8, dense_linear, quantize_fp8_rows  # noqa: F401 (the check's, too)
 from specserve.layers.gemv_choices import Tile
 from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
@@ -87,9 +88,9 @@ SWAP_IN_FOLDS = False
 
 # Eager calls take any row count (one form for one row, one for several); where the trigger falls is a value.
 @triton.jit(do_not_specialize=["M", "trigger_k"])
-def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
+def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
                  ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
-                 NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -134,11 +135,15 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             gdc_launch_dependents()
     if ONE_ROW:
         out = tl.sum(acc, 1)
+        if SCALED:
+            out = out * tl.load(SCALE + n, mask=n_ok, other=0.0)
         if NORM:
             scale = tl.rsqrt(tl.sum(squares, 0) / K + eps)
             out = out * scale
         if GATE_UP:
             up = tl.sum(acc_up, 1)
+            if SCALED:
+                up = up * tl.load(SCALE + N + n, mask=n_ok, other=0.0)
             if NORM:
                 up = up * scale
             out = _silu_times(out.to(OUT.dtype.element_ty), up.to(OUT.dtype.element_ty)).to(tl.float32)
@@ -146,18 +151,24 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_wn, stride_om
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
-        _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP, GATE_UP, NORM,
-                    ADD)
+        _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps, SWAP, GATE_UP,
+                    NORM, ADD, SCALED)
 
 
 @triton.jit
-def _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, stride_rm, eps, SWAP: tl.constexpr,
-                GATE_UP: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr):
-    """A several-row tile's epilogue: the folded norm's 1/rms, SiLU-and-multiply, the residual, the store."""
+def _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps,
+                SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+                SCALED: tl.constexpr):
+    """A several-row tile's epilogue: an fp8 weight's scales, the folded norm's 1/rms, SiLU-and-multiply, the
+    residual, the store."""
     if SWAP:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
     ok = (m < M)[:, None] & n_ok[None, :]
+    if SCALED:
+        acc = acc * tl.load(SCALE + n, mask=n_ok, other=0.0)[None, :]
+        if GATE_UP:
+            acc_up = acc_up * tl.load(SCALE + N + n, mask=n_ok, other=0.0)[None, :]
     if NORM:
         scale = tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
         acc = acc * scale
@@ -173,7 +184,8 @@ def _store_rows(acc, acc_up, squares, OUT, RES, m, n, n_ok, M, K, stride_om, str
 @triton.jit
 def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
                 SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
-    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, w.dtype, ONE_ROW, SWAP, NORM, GAMMA_ON)
+    x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, X.dtype.element_ty, ONE_ROW, SWAP, NORM,
+                             GAMMA_ON)
     acc = _product(acc, w, x, ONE_ROW, SWAP)
     if GATE_UP:
         acc_up = _product(acc_up, w_up, x, ONE_ROW, SWAP)
@@ -222,9 +234,9 @@ def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
     if ONE_ROW:  # FMAs on CUDA cores, summed over the tile's columns at the end
         acc += w.to(tl.float32) * x[None, :]
     elif SWAP:  # the weight tile as the dot's left operand: [BLOCK_N, BLOCK_K] @ [BLOCK_K, ROWS]
-        acc += tl.dot(w, tl.trans(x))
+        acc += tl.dot(w.to(x.dtype), tl.trans(x))  # (an fp8 weight widens exactly to x's 16-bit type)
     else:
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     return acc
 
 
@@ -261,8 +273,8 @@ def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, strid
                                            M, K, stride_xm, False, True, GATE_UP, NORM, GAMMA_ON)
     if PDL:
         gdc_launch_dependents()
-    _store_rows(acc, acc_up, squares, OUT, RES, m, n, n < N, M, K, stride_om, stride_rm, eps, True, GATE_UP, NORM,
-                ADD)
+    _store_rows(acc, acc_up, squares, OUT, RES, RES, m, n, n < N, M, N, K, stride_om, stride_rm, eps, True, GATE_UP,
+                NORM, ADD, False)
 
 
 @triton.jit
@@ -276,17 +288,22 @@ def _silu_times(gate, up):
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, residual: torch.Tensor | None = None, gate_up: bool = False,
-         norm: bool = False) -> torch.Tensor:
+         norm: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T -> [M, N], accumulated in fp32. With
     `gate_up`, the weight is [gate; up] and the result is silu(x @ gate^T) * (x @ up^T), [M, N/2]. With `norm_weight`,
     RMSNorm(x) (that weight, `eps`) is multiplied instead of x; with `norm` and no `norm_weight`, x / rms(x),
     for a weight that already holds the norm's (`DecoderLayer.move_norm_weights_into_projections`). `residual`
-    is added to the result: a decoder layer's norms fold into the GEMVs around them (layers/linear.py)."""
+    is added to the result: a decoder layer's norms fold into the GEMVs around them (layers/linear.py). An fp8
+    weight comes with `scale` (fp32, one per weight row: `Linear.quantize_fp8`), applied to each output."""
     rows = x.shape[0]
     out_features, width = weight.shape
     if (rows > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype not in DTYPES
             or x.shape[1] != width or (gate_up and out_features % 2)):
         raise ValueError("gemv takes at most 16 bf16/fp16 rows of the weight's width, each contiguous")
+    if (weight.dtype == FP8) != (scale is not None) or (weight.dtype not in (FP8, x.dtype)):
+        raise ValueError("the weight must be x's dtype, or fp8 (e4m3) with a scale per row")
+    if scale is not None and (scale.dtype != torch.float32 or scale.shape != (weight.shape[0],)):
+        raise ValueError("an fp8 weight's scale must be fp32, one per weight row")
     out_features //= 2 if gate_up else 1
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
@@ -298,13 +315,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     form = dict(ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
                 ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
                 num_stages=tile.num_stages, **triton_pdl.launch_options(x))
-    if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight):
+    if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight) and scale is None:
         _gemv_tma_kernel[grid](x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out, gamma, res,
                                rows, out_features, width, x.stride(0), out.stride(0), stride_rm, eps, **form)
         return out
     _gemv_kernel[grid](
-        x, weight, out, gamma, res, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0), stride_rm,
-        eps, _trigger_column(width, tile.block_k, TRIGGER_AT), ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1,
+        x, weight, out, gamma, res, weight if scale is None else scale, rows, out_features, width, x.stride(0),
+        weight.stride(0), out.stride(0), stride_rm, eps, _trigger_column(width, tile.block_k, TRIGGER_AT),
+        ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, SCALED=scale is not None,
         EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER, **form)
     return out
 
@@ -338,13 +356,14 @@ def _trigger_column(width: int, block_k: int, fraction: float) -> int:
 
 
 def _cublas(x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False,
-            norm_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """What a call takes where no tile runs: the norm and SiLU-and-multiply as kernels of their own."""
+            norm_weight: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What a call takes where no tile runs: the norm and SiLU-and-multiply as kernels of their own (an fp8
+    weight widened to x's type first: `dense_linear`)."""
     from specserve.layers import pointwise
 
     if norm_weight is not None:
         x = pointwise.rms_norm(x, norm_weight, 1e-5)
-    out = F.linear(x, weight)
+    out = dense_linear(x, weight, scale)
     return pointwise.silu_and_mul(out) if gate_up else out
 
 
@@ -357,7 +376,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
 # Decisions taken instead of timed (layers/gemv_choices.py); shapes they lack are timed as usual. Unset: those
 # shipped for this GPU, if any (for the H200, the 4-row decisions that verify_gemv_choices.py --descend chose by
-# the chain verify's own time, TMA tiles among them; the descent is too slow for every start), unless a chooser
+# the chain verify's own time, TMA tiles among them; the descent is too slow for every start; and an fp8 EAGLE-3
+# head's, as timed at startup by spec_off_tax.py --save-choices), unless a chooser
 # switch is off its default. SPECSERVE_GEMV_CHOICES=FILE: a file saved before on this
 # GPU (--save-choices writes one); "", "0", "none" or "off": time every shape here.
 CHOICES_FILE = os.environ.get("SPECSERVE_GEMV_CHOICES", "shipped")
@@ -421,8 +441,8 @@ class Choice:
         rows_out = []
         for (shape, dtype, rows, gate_up, norm, gamma), tile in self.best.items():
             t = self.timings.get((shape, dtype, rows, gate_up, norm, gamma))
-            row = {"weight": list(shape), "rows": rows, "gate_up": gate_up, "norm": norm, "gamma_in_kernel": gamma,
-                   "chosen": str(tile)}
+            row = {"weight": list(shape), "dtype": str(dtype).removeprefix("torch."), "rows": rows, "gate_up": gate_up,
+                   "norm": norm, "gamma_in_kernel": gamma, "chosen": str(tile)}
             if t is None:  # taken from the decisions file, or set by a benchmark
                 row["not_timed_here"] = True
                 row["decisions_file"] = self.saved
@@ -437,11 +457,13 @@ class Choice:
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
         ones = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
         in_kernel = ones if gamma else None
+        scale = torch.ones(weight.shape[0], device=x.device) if weight.dtype == FP8 else None
+        # TMA tiles need a 16-bit weight (else they would be timed as tiles with ordinary loads).
         tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma)
-                 if not tile.tma or _tma_ok(weight)}  # else it would be timed as a tile with ordinary loads
-        candidates = {"cublas": lambda w: _cublas(x, w, gate_up, ones)}
+                 if not tile.tma or (_tma_ok(weight) and scale is None)}
+        candidates = {"cublas": lambda w: _cublas(x, w, gate_up, ones, scale)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=in_kernel, eps=1e-5,
-                                                        gate_up=gate_up, norm=norm))
+                                                        gate_up=gate_up, norm=norm, scale=scale))
                        for name, tile in tiles.items()}
         times = {}
         for name, fn in candidates.items():
@@ -497,11 +519,11 @@ def decide_all(module: torch.nn.Module) -> None:
     if not TRITON_GEMV:
         return
     for linear in module.modules():
-        if not isinstance(linear, Linear) or linear.bias is not None or linear.weight.dtype not in DTYPES:
+        if not isinstance(linear, Linear) or linear.bias is not None or linear.input_dtype not in DTYPES:
             continue
-        folds = linear.takes_norm and FOLD_NORMS and linear.weight.dtype == torch.bfloat16
+        folds = linear.takes_norm and FOLD_NORMS and linear.input_dtype == torch.bfloat16
         for rows in ROW_BUCKETS:
-            x = torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
+            x = torch.zeros(rows, linear.in_features, dtype=linear.input_dtype, device=linear.weight.device)
             for norm in (False, True) if folds else (False,):
                 choice.tile(x, linear.weight, linear.gated, norm, gamma=not linear.norm_in_weight)
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve.config import ModelConfig
-from specserve.layers.linear import can_prepack, norms_go_in_weights, prepack_linears
+from specserve.layers.linear import Linear, can_prepack, norms_go_in_weights, prepack_linears
 from specserve.models.registry import model_class
 
 
@@ -160,10 +160,12 @@ def load_eagle3_head(
     seed: int = 0,
     draft_vocab_size: int | None = None,
     logit_std: float | None = None,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """An EAGLE-3 head from a public-format checkpoint directory (random weights when `model_dir` is None:
     then the head is shaped like one target layer, drafting over the first `draft_vocab_size` target ids,
-    all of them by default, and `logit_std` sets the spread of its logits)."""
+    all of them by default, and `logit_std` sets the spread of its logits). `quantization` "fp8": its
+    projections are quantized as loaded (`Linear.quantize_fp8`)."""
     from specserve.models.eagle3 import Eagle3Config, Eagle3Head
 
     if model_dir is None:
@@ -186,6 +188,10 @@ def load_eagle3_head(
         weights = ((n, t) for n, t in iter_checkpoint(model_dir) if not n.endswith("embed_tokens.weight"))
         _load_weights(head, weights, progress=False)
     head.eval().requires_grad_(False)
+    if quantization == "fp8":
+        for module in head.modules():
+            if isinstance(module, Linear):
+                module.quantize_fp8()
     if can_prepack(head):
         prepack_linears(head)
     return head
