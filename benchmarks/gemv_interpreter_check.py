@@ -1,7 +1,7 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
-either norm form; and with an fp8 weight and its scales), at 1, 3 and 16 rows, rows-left and swapped tiles (with TMA loads and without), shapes that
-divide the tiles and shapes that do not, widths within one step of the main loop and over several. For checking
+either norm form; and with an fp8 weight and its scales), at 1, 3 and 16 rows, rows-left and swapped tiles (with
+TMA loads and without), shapes that divide the tiles and shapes that do not, widths within one step of the main loop and over several. For checking
 kernel changes on a machine without a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs
 `pip install triton` (its CPU wheel runs the interpreter). fp16: the interpreter's bf16 dot is wrong.
 
@@ -21,6 +21,7 @@ import sys
 import torch
 
 from specserve.layers import triton_gemv
+from specserve.layers.linear import quantize_fp8_rows
 
 # fp16 inputs and outputs, fp32 accumulation: one fp16 step is ~1e-3 of a value (0.004 at 4-8; the gate/up
 # products reach the hundreds), so the bound is relative, plus a floor for values near zero.
@@ -57,7 +58,7 @@ def forms(x, weight, gamma, residual, tile):
 def fp8_forms(x, weight, gamma, residual, tile):
     """Each form with the weight in fp8 and a scale per row (`Linear.quantize_fp8`), against fp32 math on the
     values it holds."""
-    quantized, scale = triton_gemv.quantize_fp8_rows(weight)
+    quantized, scale = quantize_fp8_rows(weight)
     wf, xf = quantized.float() * scale[:, None], x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
 

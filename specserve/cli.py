@@ -46,8 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--disable-speculative-adaptive", dest="speculative_adaptive", action="store_false",
                    help="draft in every decode step with no prompt pending")
     s.add_argument("--speculative-draft-model-quantization", default=None, choices=["fp8"],
-                   help="EAGLE3: the head's projections in fp8, weight-only (half the bytes a draft step reads; "
-                        "the output is still verified by the target)")
+                   help="EAGLE3: the head's projections in fp8, weight-only (half the bytes a draft step of at "
+                        "most 16 rows reads; the output is still verified by the target)")
     s.add_argument("--speculative-simulate-accept-len", type=float, default=None,
                    help="speed studies only: accept drafts at random with this mean acceptance length; the "
                         "output is not the model's and is labelled simulated")
@@ -86,8 +86,8 @@ def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecCon
     embedded = args.model_path is None and args.load_format != "dummy"
     if algorithm is None and bundled_head and embedded and _runs_on_cpu(args):
         algorithm = "EAGLE3"
-    if algorithm in (None, "NONE"):
-        return SpecConfig()
+    if algorithm in (None, "NONE"):  # (a quantization asked for then is an error: SpecConfig says so)
+        return SpecConfig(draft_model_quantization=args.speculative_draft_model_quantization)
     if algorithm == "EAGLE3" and embedded and head is None:
         head = str(draft_heads.SMOLLM2_HEAD)
         steps = draft_heads.SMOLLM2_DEFAULT_STEPS if steps is None else steps

@@ -216,5 +216,13 @@ def test_fp8_quantized_linear_holds_e4m3_values_with_a_scale_per_row():
     assert not torch.equal(linear.weight, original) and not linear.weight[3].any()
     x = torch.randn(5, 300)
     torch.testing.assert_close(linear(x), x @ linear.weight.T)
+    # What a GPU runs where the GEMV does not: the fp8 weight widened to its values in x's dtype. In fp16, sums
+    # of the unscaled e4m3 values (up to 448 each) would overflow; these are ~0.3.
+    from specserve.layers.linear import dense_linear
+
+    x16 = (torch.randn(3, 300) * 100).half()
+    widened = dense_linear(x16, quantized, scale)
+    assert widened.dtype == torch.float16 and widened.isfinite().all()
+    torch.testing.assert_close(widened.float(), x16.float() @ linear.weight.T, atol=5e-2, rtol=5e-2)  # fp16 sums
     with pytest.raises(ValueError, match="without a bias"):
         Linear(8, 8, bias=True).quantize_fp8()

@@ -597,7 +597,8 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
 def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
     """A Linear quantized to fp8 (a draft head's --speculative-draft-model-quantization fp8) computes with the
     values it holds, e4m3 times a scale per row: every tile (the TMA ones with ordinary loads), plain and in
-    the gate/up form, then the chooser's pick through the Linear, eagerly and replayed in a CUDA graph."""
+    the gate/up form, with a norm folded in and with a residual, then the chooser's pick through the Linear (in
+    inference mode, as steps run: with autograd on it takes PyTorch's matmul), eagerly and in a CUDA graph."""
     from specserve.layers import triton_gemv, triton_pointwise
     from specserve.layers.linear import FP8, Linear
 
@@ -609,21 +610,31 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
         assert linear.weight.dtype == FP8 and linear.input_dtype == torch.bfloat16
         values = linear.weight.float() * linear.weight_scale[:, None]
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+        gamma = torch.rand(in_features, device="cuda", dtype=torch.bfloat16) + 0.5
+        residual = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()
         reference = x.float() @ values.T
         gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
+        scale = linear.weight_scale
         for tile in _every_tile(rows):
-            out = triton_gemv.gemv(x, linear.weight, tile, scale=linear.weight_scale)
+            out = triton_gemv.gemv(x, linear.weight, tile, scale=scale)
             torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
-            gated = _gate_up_or_none(x, linear.weight, tile, scale=linear.weight_scale)
+            added = triton_gemv.gemv(x, linear.weight, tile, residual=residual, scale=scale)
+            torch.testing.assert_close(added.float(), reference + residual.float(), atol=3e-2, rtol=2e-2)
+            folded = triton_gemv.gemv(x, linear.weight, tile, gamma, 1e-5, scale=scale)
+            torch.testing.assert_close(folded.float(), normed @ values.T, atol=3e-2, rtol=2e-2)
+            gated = _gate_up_or_none(x, linear.weight, tile, scale=scale)
             if gated is not None:
                 torch.testing.assert_close(gated.float(), gated_reference, atol=2e-2, rtol=2e-2)
         triton_gemv.decide_all(linear)
-        torch.testing.assert_close(linear(x).float(), reference, atol=2e-2, rtol=2e-2)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = linear(x)
-        graph.replay()
-        torch.testing.assert_close(replayed.float(), reference, atol=2e-2, rtol=2e-2)
+        with torch.inference_mode():
+            assert linear.gemv_tile(x) is not None or out_features != 4096  # the H200's shipped decisions: a tile
+            torch.testing.assert_close(linear(x).float(), reference, atol=2e-2, rtol=2e-2)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = linear(x)
+            graph.replay()
+            torch.testing.assert_close(replayed.float(), reference, atol=2e-2, rtol=2e-2)
 
 
 def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tmp_path):

@@ -308,6 +308,8 @@ def test_sglang_flags_build_the_spec_config():
     args = build_parser().parse_args(["serve", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                                       "head", "--speculative-draft-model-quantization", "fp8"])
     assert engine_config(args).spec.draft_model_quantization == "fp8"
+    with pytest.raises(ValueError, match="applies to an EAGLE3 head"):  # asked for with speculation off
+        engine_config(build_parser().parse_args(["serve", "--speculative-draft-model-quantization", "fp8"]))
     with pytest.raises(ValueError, match="applies to an EAGLE3 head"):
         SpecConfig("DRAFT_MODEL", "draft", draft_model_quantization="fp8")
     with pytest.raises(ValueError, match="unsupported draft model quantization"):

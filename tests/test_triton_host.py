@@ -170,8 +170,8 @@ def alloc_slots(kernel, types, constants, stages):
                         options=dict(num_warps=4, num_stages=stages)).asm["ttgir"]
     return re.findall(r"ttg\\.local_alloc : \\(\\) -> !ttg\\.memdesc<(\\d+)x(\\d+)x(\\d+)xbf16", ir)
 
-types = dict(X="*bf16", W="*bf16", OUT="*bf16", GAMMA="*bf16", RES="*bf16", SCALE="*fp32", M="i32", N="i32", K="i32", stride_xm="i32",
-             stride_wn="i32", stride_om="i32", stride_rm="i32", eps="fp32", trigger_k="i32")
+types = dict(X="*bf16", W="*bf16", OUT="*bf16", GAMMA="*bf16", RES="*bf16", SCALE="*fp32", M="i32", N="i32", K="i32",
+             stride_xm="i32", stride_wn="i32", stride_om="i32", stride_rm="i32", eps="fp32", trigger_k="i32")
 for block_n, block_k, stages in ((64, 256, 4), (128, 128, 3)):
     for gate_up in (False, True):
         form = dict(ROWS=16, GATE_UP=gate_up, NORM=True, GAMMA_ON=False, ADD=False, BLOCK_N=block_n,

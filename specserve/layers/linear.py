@@ -9,7 +9,8 @@ On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of 
 shape (and row count: one, or several) where it timed faster than cuBLAS; the MLP's gate/up projection applies
 SiLU-and-multiply to its outputs inside that GEMV, and in bf16 a decoder layer whose `qkv` projection takes it
 with its RMSNorm folded in folds its norms and residual adds into the GEMVs around them (models/llama.py).
-Everything else uses plain `F.linear`.
+Everything else uses plain `F.linear`. A draft head's weights may be quantized to fp8 (`Linear.quantize_fp8`):
+the GEMV reads them as they are; `F.linear` gets them widened first (`dense_linear`).
 """
 from __future__ import annotations
 
@@ -175,8 +176,10 @@ def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T by PyTorch; an fp8 weight (with its per-row `scale`) is widened to x's type (exactly: e4m3
-    values are bf16 and fp16 values) and its products scaled in fp32."""
+    """x @ weight^T by PyTorch; an fp8 weight (with its per-row `scale`) is first widened to its values in x's
+    dtype, scaled in fp32 (scaling the sums instead would hold sums of unscaled e4m3 values in x's dtype, which
+    overflow fp16). It reads the fp8 weight and writes and reads a 16-bit one: more bytes than a 16-bit weight,
+    so it serves calls the GEMV does not take (more than 16 rows, or where cuBLAS was chosen)."""
     if scale is None:
         return F.linear(x, weight)
-    return (F.linear(x, weight.to(x.dtype)).float() * scale).to(x.dtype)
+    return F.linear(x, (weight.float() * scale[:, None]).to(x.dtype))

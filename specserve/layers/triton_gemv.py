@@ -31,7 +31,7 @@ except ImportError:
     TensorDescriptor = None
 
 from specserve.layers import gemv_choices, triton_pdl
-from specserve.layers.linear import FP8, dense_linear, quantize_fp8_rows  # noqa: F401 (the check's, too)
+from specserve.layers.linear import FP8, dense_linear
 from specserve.layers.gemv_choices import Tile
 from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 
@@ -90,8 +90,8 @@ SWAP_IN_FOLDS = False
 @triton.jit(do_not_specialize=["M", "trigger_k"])
 def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
                  ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
-                 NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
+                 NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn
@@ -151,8 +151,8 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, st
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
-        _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps, SWAP, GATE_UP,
-                    NORM, ADD, SCALED)
+        _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps, SWAP,
+                    GATE_UP, NORM, ADD, SCALED)
 
 
 @triton.jit

@@ -188,10 +188,14 @@ def load_eagle3_head(
         weights = ((n, t) for n, t in iter_checkpoint(model_dir) if not n.endswith("embed_tokens.weight"))
         _load_weights(head, weights, progress=False)
     head.eval().requires_grad_(False)
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unsupported draft model quantization {quantization!r} (fp8 or none)")
     if quantization == "fp8":
         for module in head.modules():
             if isinstance(module, Linear):
                 module.quantize_fp8()
+        if device.type == "cuda":  # the 16-bit weights' memory goes back before the KV pool is sized from what is free
+            torch.cuda.empty_cache()
     if can_prepack(head):
         prepack_linears(head)
     return head
@@ -201,6 +205,8 @@ def save_eagle3_head(head: torch.nn.Module, out_dir: Path, max_shard_bytes: int 
     """Writes the public tensor names (unfused q/k/v and gate/up) and config that SGLang and vLLM load; split
     into shards of at most `max_shard_bytes` with a `model.safetensors.index.json` when it is given and the
     head is larger (a tensor larger than a shard gets one to itself)."""
+    if any(isinstance(m, Linear) and m.weight_scale is not None for m in head.modules()):
+        raise ValueError("a head quantized to fp8 on a GPU holds e4m3 codes and scales apart: save it unquantized")
     cfg = head.config.model
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     tensors = {}
