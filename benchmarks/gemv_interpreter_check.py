@@ -1,8 +1,8 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
 either norm form; and with an fp8 weight and its scales), at 1, 3 and 16 rows, rows-left and swapped tiles (with
-TMA loads and without), shapes that divide the tiles and shapes that do not, widths within one step of the main loop and over several. For checking
-kernel changes on a machine without a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs
+TMA loads and without), shapes that divide the tiles and shapes that do not, widths within one step of the main
+loop and over several. For checking kernel changes on a machine without a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs
 `pip install triton` (its CPU wheel runs the interpreter). fp16: the interpreter's bf16 dot is wrong.
 
     python benchmarks/gemv_interpreter_check.py --out benchmarks/results/gemv_interpreter_check_cpu.json
