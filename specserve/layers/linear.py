@@ -64,7 +64,7 @@ class Linear(nn.Linear):
             raise ValueError("quantize_fp8 takes an unquantized Linear without a bias")
         quantized, scale = quantize_fp8_rows(self.weight)
         if not self.weight.is_cuda:
-            self.weight.data.copy_(quantized.float() * scale[:, None])
+            self.weight.data.copy_(fp8_values(quantized, scale))
             return
         self._input_dtype = self.weight.dtype
         self.weight = nn.Parameter(quantized, requires_grad=False)
@@ -175,6 +175,11 @@ def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (weight / scale[:, None]).to(FP8), scale
 
 
+def fp8_values(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 values an fp8 weight holds: each row's e4m3 numbers times its scale (`quantize_fp8_rows`)."""
+    return quantized.float() * scale[:, None]
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T by PyTorch; an fp8 weight (with its per-row `scale`) is first widened to its values in x's
     dtype, scaled in fp32 (scaling the sums instead would hold sums of unscaled e4m3 values in x's dtype, which
@@ -182,4 +187,4 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     so it serves calls the GEMV does not take (more than 16 rows, or where cuBLAS was chosen)."""
     if scale is None:
         return F.linear(x, weight)
-    return F.linear(x, (weight.float() * scale[:, None]).to(x.dtype))
+    return F.linear(x, fp8_values(weight, scale).to(x.dtype))
