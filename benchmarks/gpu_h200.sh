@@ -9,7 +9,8 @@
 # smol: decode at batch 1 and 64 with SmolLM2-135M's shape; gemv_ab: 8B decode with the Triton GEMV off and on.
 # timeline: the device's time over whole offline waves at C = 250, step by step (benchmarks/wave_timeline.py).
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
-# fp8head: the draft head in fp8, its GPU tests and batch-1 chain and tree steps against the bf16 head.
+# fp8head: the draft head in fp8, its GPU tests and batch-1 chain and tree steps against the bf16 head, and the A/B
+# of how its GEMVs widen fp8 weights (SPECSERVE_GEMV_FP8_BITS).
 # pending (only when named): the GPU tests and timings of what was written but has not run on a GPU yet.
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with a fresh descent's GEMV decisions
 # (SPECSERVE_GEMV_CHOICES; the H200's shipped ones by default), SPECSERVE_FUSED_TOPK (on by default) and
@@ -91,7 +92,17 @@ if want fp8head; then
     "EAGLE-3 chain 3, simulated tau 3" "EAGLE-3 chain 3, fp8 head, simulated tau 3" \
     "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" \
     "EAGLE-3 tree top-4, 5 steps, 16 tokens, fp8 head, simulated tau 4" \
-    --save-choices "$OUT/gemv_choices_fp8_head_h200.json" --out "$OUT/spec_bs1_256_fp8_head_h200.json"
+    --save-choices "$OUT/gemv_choices_fp8_head_h200.json" --out "$OUT/spec_bs1_256_fp8_bits_h200.json"
+  # The A/B of how the GEMV widens fp8 weights (SPECSERVE_GEMV_FP8_BITS): the run above moves bits (the default;
+  # the shipped fp8 decisions were timed so); this one takes Triton's conversion, timing its own fp8 decisions at
+  # startup against the shipped bf16 ones.
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); d['decisions'] = [e for e in d['decisions']
+    if e['dtype'] == 'bfloat16']; json.dump(d, open(sys.argv[2], 'w'))" \
+    specserve/layers/gemv_decisions/NVIDIA_H200.json "$OUT/gemv_choices_bf16_only.json"
+  SPECSERVE_GEMV_CHOICES="$OUT/gemv_choices_bf16_only.json" SPECSERVE_GEMV_FP8_BITS=0 python3 \
+    benchmarks/spec_off_tax.py --batch-sizes 1 --output-len 256 --setups plain \
+    "EAGLE-3 chain 3, fp8 head, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, fp8 head, simulated tau 4" \
+    --out "$OUT/spec_bs1_256_fp8_bits0_h200.json"
 fi
 if want profile; then
   python3 benchmarks/profile_gpu_step.py --out "$OUT/profile_gpu_step_h200.json" > "$OUT/profile.log" 2>&1

@@ -616,7 +616,7 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
         reference = x.float() @ values.T
         gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
         scale = linear.weight_scale
-        for tile in _every_tile(rows):
+        for tile in _every_tile(rows, fp8=True):
             out = triton_gemv.gemv(x, linear.weight, tile, scale=scale)
             torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
             added = triton_gemv.gemv(x, linear.weight, tile, residual=residual, scale=scale)
@@ -637,6 +637,30 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
             torch.testing.assert_close(replayed.float(), reference, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype):
+    """The GEMV widens fp8 weights by moving bits (triton_gemv._widen): every e4m3 code, at each of the four
+    places in a 32-bit word, must come out as its exact value (subnormals, zeros and signs included). Row n of
+    the weight holds the codes n, n+1, ... (mod 256; the two NaN codes zeroed), and each row of x picks one
+    column, so each output is one weight times 1, exact in fp32 and in bf16 and fp16."""
+    from specserve.layers import triton_gemv
+    from specserve.layers.linear import FP8
+
+    codes = (torch.arange(256)[:, None] + torch.arange(512)[None, :]) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0
+    weight = codes.to(torch.uint8).view(FP8).cuda()
+    values = weight.float()
+    scale = torch.ones(256, device="cuda")
+    columns = torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 130, 131, 257, 258, 384, 509, 510, 511], device="cuda")
+    # One row: a call a column (the first four: each place in a word); sixteen rows: all columns in one call.
+    calls = [(1, columns[i:i + 1]) for i in range(4)] + [(16, columns)]
+    for rows, picked in calls:
+        x = torch.nn.functional.one_hot(picked, 512).to(dtype)
+        for tile in _every_tile(rows, fp8=True):
+            out = triton_gemv.gemv(x, weight, tile, scale=scale).float()
+            assert torch.equal(out, values[:, picked].T), (tile, picked)
+
+
 def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tmp_path):
     """A head quantized to fp8 drafts with other numbers; the output never changes: the chain and tree programs,
     replayed in graphs, equal HF greedy (fp32, where the head's fp8 weights are widened for PyTorch's matmul)."""
@@ -653,15 +677,16 @@ def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tm
         assert outputs == _hf_greedy(path, prompts, "cuda")
 
 
-def _every_tile(rows: int):
+def _every_tile(rows: int, fp8: bool = False):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
-    where they are on (SPECSERVE_GEMV_TMA, on by default)."""
+    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, those for fp8 weights too."""
     from specserve.layers import triton_gemv
 
+    wide = triton_gemv.FP8_TILES[rows > 1] if fp8 else []
     if rows == 1:
-        return triton_gemv.ONE_ROW_TILES
+        return triton_gemv.ONE_ROW_TILES + wide
     return (triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
-            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []))
+            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []) + wide)
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

@@ -181,7 +181,8 @@ for block_n, block_k, stages in ((64, 256, 4), (128, 128, 3)):
         for even in (True, False):
             checks["pointer loads", even] = alloc_slots(
                 triton_gemv._gemv_kernel, types,
-                {**form, "ONE_ROW": False, "SWAP": True, "EVEN": even, "LATE_TRIGGER": True, "SCALED": False}, stages)
+                {**form, "ONE_ROW": False, "SWAP": True, "EVEN": even, "LATE_TRIGGER": True, "SCALED": False,
+                 "FP8_BITS": False}, stages)
         for name, slots in checks.items():
             x_slots = {int(n) for n, rows, _ in slots if int(rows) == 16}
             w_slots = {int(n) for n, rows, _ in slots if int(rows) == block_n}

@@ -74,7 +74,15 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
 # aligned.
 TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
              ((64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 256, 4), (128, 128, 3), (128, 128, 6))]
+# fp8 weights (a draft head's) bring half the bytes a tile: these keep as many in flight as the 16-bit tiles above
+# by reaching twice as far along K.
+FP8_TILES = ([Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 4))],
+             [Tile(n, k, 4, s, swap=swap) for n, k, s, swap in
+              ((16, 512, 3, False), (32, 512, 3, False), (32, 512, 4, False), (64, 512, 3, False),
+               (64, 256, 4, True), (64, 512, 3, True), (128, 256, 3, True))])
 TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") != "0"
+# fp8 weights widened by moving bits (_widen) on GPUs; SPECSERVE_GEMV_FP8_BITS=0 takes Triton's conversion (the A/B).
+FP8_BITS = os.environ.get("SPECSERVE_GEMV_FP8_BITS", "1") != "0"
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
 SWAP_CANDIDATES = os.environ.get("SPECSERVE_GEMV_SWAP_TILES", "1") == "1"
@@ -92,7 +100,7 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, st
                  ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
                  NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
-                 LATE_TRIGGER: tl.constexpr):
+                 LATE_TRIGGER: tl.constexpr, FP8_BITS: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn
@@ -120,14 +128,14 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, st
             gdc_launch_dependents()
         gdc_wait()
     acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW,
-                                       SWAP, GATE_UP, NORM, GAMMA_ON)
+                                       SWAP, GATE_UP, NORM, GAMMA_ON, FP8_BITS)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
             w_up = _load_w(up_rows, k, n_ok, K, EVEN)
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm,
-                                           ONE_ROW, SWAP, GATE_UP, NORM, GAMMA_ON)
+                                           ONE_ROW, SWAP, GATE_UP, NORM, GAMMA_ON, FP8_BITS)
         if PDL and not ONE_ROW and LATE_TRIGGER:
             if k0 == trigger_k:  # (compiled for sm_90, the loop's loads stay pipelined with this inside it)
                 gdc_launch_dependents()
@@ -184,12 +192,13 @@ def _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stri
 
 @triton.jit
 def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
-                SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
+                SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr,
+                FP8_BITS: tl.constexpr = False):
     x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, X.dtype.element_ty, ONE_ROW, SWAP, NORM,
                              GAMMA_ON)
-    acc = _product(acc, w, x, ONE_ROW, SWAP)
+    acc = _product(acc, w, x, ONE_ROW, SWAP, FP8_BITS)
     if GATE_UP:
-        acc_up = _product(acc_up, w_up, x, ONE_ROW, SWAP)
+        acc_up = _product(acc_up, w_up, x, ONE_ROW, SWAP, FP8_BITS)
     return acc, acc_up, squares
 
 
@@ -231,14 +240,56 @@ def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.con
 
 
 @triton.jit
-def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
+def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, FP8_BITS: tl.constexpr):
     if ONE_ROW:  # FMAs on CUDA cores, summed over the tile's columns at the end
+        # (an fp8 weight by Triton's conversion: through bf16 by moving bits, one-row GEMVs on the H200 took 20-40 %
+        # longer, the f32 FMAs and the integer work sharing the issue slots)
         acc += w.to(tl.float32) * x[None, :]
     elif SWAP:  # the weight tile as the dot's left operand: [BLOCK_N, BLOCK_K] @ [BLOCK_K, ROWS]
-        acc += tl.dot(w.to(x.dtype), tl.trans(x))  # (an fp8 weight widens exactly to x's 16-bit type)
+        acc += tl.dot(_widen(w, x.dtype, FP8_BITS), tl.trans(x))
     else:
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc += tl.dot(x, tl.trans(_widen(w, x.dtype, FP8_BITS)))
     return acc
+
+
+# e4m3 -> bf16 or fp16, four values a 32-bit word, by moving bits instead of converting: each byte is placed at the
+# top of a 16-bit lane (prmt), its exponent and mantissa are shifted down to the 16-bit type's fields and its sign
+# kept (shr, and, lop3), and one multiply by a power of two moves the exponent's bias (e4m3: 7; bf16: 127, fp16:
+# 15; e4m3's subnormals become the wider type's, which the multiply makes normal). Triton's own conversion goes
+# through fp16 and fp32 with conversion instructions, which an SM issues at a quarter of the rate of these: on an
+# H200 a 4-row GEMV of an fp8 weight was bound by them (4096 x 14336: 31 us, as slow as the bf16 weight it halves).
+_E4M3_TO_16 = """{{
+.reg .b32 lo, hi, t, bias;
+mov.b32 bias, {bias};
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 t, lo, {shift};
+and.b32 t, t, {field};
+lop3.b32 lo, t, 0x80008000, lo, 0xF8;
+mul.rn.{kind} $0, lo, bias;
+shr.b32 t, hi, {shift};
+and.b32 t, t, {field};
+lop3.b32 hi, t, 0x80008000, hi, 0xF8;
+mul.rn.{kind} $1, hi, bias;
+}}"""
+# bf16: exponent and mantissa 4 bits down, times 2^120 (0x7B80); fp16: 1 bit down, times 2^8 (0x5C00).
+_E4M3_TO_BF16 = tl.constexpr(_E4M3_TO_16.format(shift=4, field="0x07F007F0", kind="bf16x2", bias="0x7B807B80"))
+_E4M3_TO_FP16 = tl.constexpr(_E4M3_TO_16.format(shift=1, field="0x3F803F80", kind="f16x2", bias="0x5C005C00"))
+
+
+@triton.jit
+def _widen(w, dtype: tl.constexpr, FP8_BITS: tl.constexpr):
+    """w in `dtype` (bf16 or fp16; an fp8 weight's values are exactly both), by moving bits (_E4M3_TO_16) where
+    FP8_BITS says the GPU runs PTX (Triton's interpreter does not), else by Triton's conversion."""
+    if FP8_BITS and w.dtype == tl.float8e4nv:
+        bits = w.to(tl.uint8, bitcast=True)
+        if dtype == tl.bfloat16:
+            wide = tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [bits], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            wide = tl.inline_asm_elementwise(_E4M3_TO_FP16, "=r,=r,r", [bits], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        wide = w.to(dtype)
+    return wide
 
 
 @triton.jit
@@ -324,7 +375,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         x, weight, out, gamma, res, weight if scale is None else scale, rows, out_features, width, x.stride(0),
         weight.stride(0), out.stride(0), stride_rm, eps, _trigger_column(width, tile.block_k, TRIGGER_AT),
         ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, SCALED=scale is not None,
-        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER, **form)
+        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
+        FP8_BITS=FP8_BITS and x.is_cuda, **form)
     return out
 
 
@@ -460,7 +512,7 @@ class Choice:
         in_kernel = ones if gamma else None
         scale = torch.ones(weight.shape[0], device=x.device) if weight.dtype == FP8 else None
         # TMA tiles need a 16-bit weight (else they would be timed as tiles with ordinary loads).
-        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma)
+        tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma, scale is not None)
                  if not tile.tma or (_tma_ok(weight) and scale is None)}
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, ones, scale)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=in_kernel, eps=1e-5,
@@ -484,7 +536,7 @@ def chooser_at_defaults() -> bool:
     weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and TMA_ON and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
+    return (SWAP_CANDIDATES and TMA_ON and FP8_BITS and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
             and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
@@ -498,14 +550,15 @@ def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
     return None if times["cublas"] * CUBLAS_MARGIN < times[best] else tiles[best]
 
 
-def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True) -> list[Tile]:
+def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True, fp8: bool = False) -> list[Tile]:
     """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in; `gamma`: its
-    weight applied in the kernel)."""
+    weight applied in the kernel; `fp8`: an fp8 weight, which also takes FP8_TILES)."""
     if rows == 1:
-        return ONE_ROW_TILES
+        return ONE_ROW_TILES + (FP8_TILES[0] if fp8 else [])
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
     tma = swapped and TMA_ON and TensorDescriptor is not None
-    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
+    wide = [t for t in FP8_TILES[1] if swapped or not t.swap] if fp8 else []
+    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else []) + wide
 
 
 def decide_all(module: torch.nn.Module) -> None:
