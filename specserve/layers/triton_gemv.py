@@ -81,7 +81,8 @@ FP8_TILES = ([Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 
               ((16, 512, 3, False), (32, 512, 3, False), (32, 512, 4, False), (64, 512, 3, False),
                (64, 256, 4, True), (64, 512, 3, True), (128, 256, 3, True))])
 TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") != "0"
-# fp8 weights widened by moving bits (_widen) on GPUs; SPECSERVE_GEMV_FP8_BITS=0 takes Triton's conversion (the A/B).
+# fp8 weights widened by moving bits (_widen) on sm_90 on (its bf16x2 multiply needs one); SPECSERVE_GEMV_FP8_BITS=0
+# takes Triton's conversion (the A/B).
 FP8_BITS = os.environ.get("SPECSERVE_GEMV_FP8_BITS", "1") != "0"
 # SPECSERVE_GEMV_SWAP_TILES=0 keeps them out of the chooser (the A/B switch; like every chooser switch, it also
 # sets the shipped decisions aside: see Choice.tile).
@@ -376,7 +377,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
         weight.stride(0), out.stride(0), stride_rm, eps, _trigger_column(width, tile.block_k, TRIGGER_AT),
         ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, SCALED=scale is not None,
         EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
-        FP8_BITS=FP8_BITS and x.is_cuda, **form)
+        FP8_BITS=FP8_BITS and x.is_cuda and _sm90_or_later(x.device.index), **form)
     return out
 
 
