@@ -637,28 +637,33 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
             torch.testing.assert_close(replayed.float(), reference, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("bits", [True, False], ids=["moved-bits", "triton-conversion"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype):
-    """The GEMV widens fp8 weights by moving bits (triton_gemv._widen): every e4m3 code, at each of the four
-    places in a 32-bit word, must come out as its exact value (subnormals, zeros and signs included). Row n of
-    the weight holds the codes n, n+1, ... (mod 256; the two NaN codes zeroed), and each row of x picks one
-    column, so each output is one weight times 1, exact in fp32 and in bf16 and fp16."""
+def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype, bits, monkeypatch):
+    """Several-row GEMVs widen fp8 weights by moving bits on sm_90 on (triton_gemv._widen), or by Triton's
+    conversion (SPECSERVE_GEMV_FP8_BITS=0, as one-row GEMVs do): every e4m3 code but the two NaNs, at each of the
+    four places in a 32-bit word, must come out as its exact value (subnormals, zeros and signs included). Row n
+    of the weight holds the codes n, n+1, ... (mod 256), and each of x's rows picks one column (the first four:
+    each place in a word), so each output is one weight times 1, exact in fp32 and in bf16 and fp16."""
     from specserve.layers import triton_gemv
     from specserve.layers.linear import FP8
 
+    if bits and not triton_gemv._sm90_or_later(torch.cuda.current_device()):
+        pytest.skip("moving bits needs sm_90 (bf16x2 multiply)")
+    monkeypatch.setattr(triton_gemv, "FP8_BITS", bits)
     codes = (torch.arange(256)[:, None] + torch.arange(512)[None, :]) % 256
     codes[(codes & 0x7F) == 0x7F] = 0
     weight = codes.to(torch.uint8).view(FP8).cuda()
     values = weight.float()
     scale = torch.ones(256, device="cuda")
     columns = torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 130, 131, 257, 258, 384, 509, 510, 511], device="cuda")
-    # One row: a call a column (the first four: each place in a word); sixteen rows: all columns in one call.
-    calls = [(1, columns[i:i + 1]) for i in range(4)] + [(16, columns)]
-    for rows, picked in calls:
-        x = torch.nn.functional.one_hot(picked, 512).to(dtype)
-        for tile in _every_tile(rows, fp8=True):
-            out = triton_gemv.gemv(x, weight, tile, scale=scale).float()
-            assert torch.equal(out, values[:, picked].T), (tile, picked)
+    x = torch.nn.functional.one_hot(columns, 512).to(dtype)
+    for tile in _every_tile(16):
+        out = triton_gemv.gemv(x, weight, tile, scale=scale).float()
+        assert torch.equal(out, values[:, columns].T), tile
+    for tile in _every_tile(1, fp8=True):  # one row: Triton's conversion either way
+        out = triton_gemv.gemv(x[1:2], weight, tile, scale=scale).float()
+        assert torch.equal(out, values[:, columns[1:2]].T), tile
 
 
 def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tmp_path):
@@ -679,14 +684,13 @@ def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tm
 
 def _every_tile(rows: int, fp8: bool = False):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
-    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, those for fp8 weights too."""
+    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, one row's for fp8 weights too."""
     from specserve.layers import triton_gemv
 
-    wide = triton_gemv.FP8_TILES[rows > 1] if fp8 else []
     if rows == 1:
-        return triton_gemv.ONE_ROW_TILES + wide
+        return triton_gemv.ONE_ROW_TILES + (triton_gemv.FP8_ONE_ROW_TILES if fp8 else [])
     return (triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
-            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []) + wide)
+            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []))
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

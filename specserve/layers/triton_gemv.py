@@ -74,12 +74,11 @@ SWAP_TILES = [Tile(n, k, w, s, swap=True) for n, k, w, s in
 # aligned.
 TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
              ((64, 128, 4), (64, 128, 6), (64, 256, 3), (64, 256, 4), (128, 128, 3), (128, 128, 6))]
-# fp8 weights (a draft head's) bring half the bytes a tile: these keep as many in flight as the 16-bit tiles above
-# by reaching twice as far along K.
-FP8_TILES = ([Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 4))],
-             [Tile(n, k, 4, s, swap=swap) for n, k, s, swap in
-              ((16, 512, 3, False), (32, 512, 3, False), (32, 512, 4, False), (64, 512, 3, False),
-               (64, 256, 4, True), (64, 512, 3, True), (128, 256, 3, True))])
+# One-row tiles for fp8 weights (a draft head's), which bring half the bytes a tile: these keep as many in flight as
+# the 16-bit ones above by reaching twice as far along K, and won on three of the 8B head's shapes on the H200
+# (4096 x 14336: 16.8 us against 20.2). Several-row tiles twice as long along K (16-128 x 256-512, swapped or not)
+# were timed there too and never won; they are not candidates.
+FP8_ONE_ROW_TILES = [Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 4))]
 TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") != "0"
 # fp8 weights widened by moving bits (_widen) on sm_90 on (its bf16x2 multiply needs one); SPECSERVE_GEMV_FP8_BITS=0
 # takes Triton's conversion (the A/B).
@@ -194,7 +193,7 @@ def _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stri
 @triton.jit
 def _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW: tl.constexpr,
                 SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr,
-                FP8_BITS: tl.constexpr = False):
+                FP8_BITS: tl.constexpr):
     x, squares = _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, X.dtype.element_ty, ONE_ROW, SWAP, NORM,
                              GAMMA_ON)
     acc = _product(acc, w, x, ONE_ROW, SWAP, FP8_BITS)
@@ -256,9 +255,10 @@ def _product(acc, w, x, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, FP8_BITS: tl.
 # e4m3 -> bf16 or fp16, four values a 32-bit word, by moving bits instead of converting: each byte is placed at the
 # top of a 16-bit lane (prmt), its exponent and mantissa are shifted down to the 16-bit type's fields and its sign
 # kept (shr, and, lop3), and one multiply by a power of two moves the exponent's bias (e4m3: 7; bf16: 127, fp16:
-# 15; e4m3's subnormals become the wider type's, which the multiply makes normal). Triton's own conversion goes
-# through fp16 and fp32 with conversion instructions, which an SM issues at a quarter of the rate of these: on an
-# H200 a 4-row GEMV of an fp8 weight was bound by them (4096 x 14336: 31 us, as slow as the bf16 weight it halves).
+# 15; e4m3's subnormals become the wider type's, which the multiply makes normal; its NaN codes would come out as
+# +-480, and quantize_fp8_rows never writes them). Triton's own conversion goes through fp16 and fp32 with
+# conversion instructions, which an SM issues at a quarter of the rate of these: on an H200 a 4-row GEMV of an fp8
+# weight was bound by them (4096 x 14336: 31 us, as slow as the bf16 weight it halves).
 _E4M3_TO_16 = """{{
 .reg .b32 lo, hi, t, bias;
 mov.b32 bias, {bias};
@@ -323,7 +323,7 @@ def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, strid
         else:
             w_up = w
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k0 + tl.arange(0, BLOCK_K), m,
-                                           M, K, stride_xm, False, True, GATE_UP, NORM, GAMMA_ON)
+                                           M, K, stride_xm, False, True, GATE_UP, NORM, GAMMA_ON, False)
     if PDL:
         gdc_launch_dependents()
     _store_rows(acc, acc_up, squares, OUT, RES, RES, m, n, n < N, M, N, K, stride_om, stride_rm, eps, True, GATE_UP,
@@ -553,13 +553,12 @@ def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
 
 def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True, fp8: bool = False) -> list[Tile]:
     """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in; `gamma`: its
-    weight applied in the kernel; `fp8`: an fp8 weight, which also takes FP8_TILES)."""
+    weight applied in the kernel; `fp8`: an fp8 weight, which at one row also takes FP8_ONE_ROW_TILES)."""
     if rows == 1:
-        return ONE_ROW_TILES + (FP8_TILES[0] if fp8 else [])
+        return ONE_ROW_TILES + (FP8_ONE_ROW_TILES if fp8 else [])
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
     tma = swapped and TMA_ON and TensorDescriptor is not None
-    wide = [t for t in FP8_TILES[1] if swapped or not t.swap] if fp8 else []
-    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else []) + wide
+    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:
