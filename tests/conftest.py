@@ -222,6 +222,47 @@ def check_tail_attention(device: str, dtype: torch.dtype, splits: int, rows_per_
     torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
 
 
+def check_closed_tail_attention(device: str, dtype: torch.dtype, splits: int, tolerance: float, heads: int = 32,
+                                kv_heads: int = 8, dim: int = 128) -> None:
+    """Verified trees (runs of rows sharing a context, each row's tail its ancestors' slots and its own) with
+    the tails attended as one block per run (`closed_tails`), against the PyTorch form of the per-row contract in
+    fp32 on the CPU. On a GPU, or in Triton's interpreter."""
+    from specserve.layers import triton_attention
+    from specserve.layers.attention import AttentionMetadata, attend_rows
+    from specserve.layers.triton_attention import paged_decode_attention
+
+    torch.manual_seed(1)
+    page, per_seq, depth = 16, 9, 4
+    lens = torch.tensor([1, 300, 77], dtype=torch.int32)
+    seqs = len(lens)
+    tables = torch.randint(0, 200, (seqs, 40), dtype=torch.int32)
+    tails, tail_lens = [], []
+    for s in range(seqs):  # node 0 is the root (no tail); node i's parent comes before it, depth at most `depth`
+        own = torch.randperm(800)[:per_seq] + 3200
+        paths = [[]]
+        for i in range(1, per_seq):
+            parents = [p for p in range(i) if len(paths[p]) < depth]
+            paths.append(paths[parents[torch.randint(len(parents), ()).item()]] + [own[i].item()])
+        tails += [path + [0] * (depth - len(path)) for path in paths]
+        tail_lens += [len(path) for path in paths]
+    tails, tail_lens = torch.tensor(tails), torch.tensor(tail_lens, dtype=torch.int32)
+    rows = seqs * per_seq
+    pool = torch.randn(2, 4096, kv_heads, dim, dtype=dtype)
+    q = torch.randn(rows, heads, dim, dtype=dtype)
+    row_tables, row_lens = tables.repeat_interleave(per_seq, 0), lens.repeat_interleave(per_seq)
+    meta = AttentionMetadata(slot_mapping=tails[:, 0], block_tables=row_tables, seq_lens=row_lens, page_size=page,
+                             tail_slots=tails, tail_lens=tail_lens)
+    reference = attend_rows(q.float(), pool.float(), meta, dim**-0.5)
+    on = [t.to(device) for t in (q, pool, row_tables, row_lens, tails, tail_lens)]
+    closed_before = triton_attention.CLOSED_TAILS
+    triton_attention.CLOSED_TAILS = True
+    try:
+        ours = paged_decode_attention(*on[:4], dim**-0.5, page, splits, *on[4:], per_seq, closed_tails=True)
+    finally:
+        triton_attention.CLOSED_TAILS = closed_before
+    torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
+
+
 def check_argmax(device: str, dtype: torch.dtype) -> None:
     """The argmax kernels (layers/triton_argmax.py) against torch.argmax: vocabularies of one block, of many and
     not a multiple of the block, a row stride wider than the row, ties at the top across blocks, a NaN, a row of

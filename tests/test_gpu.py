@@ -11,8 +11,9 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
-from conftest import (check_accept_and_pack, check_argmax, check_chain_rows, check_rms_norm_pair, check_tail_attention,
-                      run_mixed_sampling, watch_drafting_paths, write_peaked_random_head)
+from conftest import (check_accept_and_pack, check_argmax, check_chain_rows, check_closed_tail_attention,
+                      check_rms_norm_pair, check_tail_attention, run_mixed_sampling, watch_drafting_paths,
+                      write_peaked_random_head)
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -308,6 +309,33 @@ def test_triton_decode_attention_with_tails_matches_the_row_reference(dtype, spl
     context and one program reads it for all of them. The tails are dealt over the context slices: with 2,
     rows wrap around them; with 32, some slices hold no context, only a tail."""
     check_tail_attention("cuda", dtype, splits, rows_per_seq, 1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3, 32])
+def test_triton_decode_attention_with_a_trees_tails_as_one_block_matches_the_row_reference(dtype, splits):
+    """Verified trees: each run's tails as one block of its rows' own slots, every query row masked to its
+    ancestors and itself (SPECSERVE_CLOSED_TAILS), against the per-row PyTorch contract."""
+    check_closed_tail_attention("cuda", dtype, splits, 1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("closed_tails", [False, True], ids=["tails-per-row", "tails-as-one-block"])
+def test_eagle3_tree_program_tail_forms_match_transformers(tiny_checkpoint, tmp_path, monkeypatch, closed_tails):
+    """The tree program, in graphs and eagerly, with its verified tree's tails attended a block per row or as
+    one block (SPECSERVE_CLOSED_TAILS, on by default), gives HF's greedy output."""
+    from specserve.layers import triton_attention
+
+    monkeypatch.setattr(triton_attention, "CLOSED_TAILS", closed_tails)
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    prompts = _prompts(512, seed=5)
+    for disable in (False, True):
+        spec = SpecConfig("EAGLE3", str(tmp_path), 4, 3, 9)
+        config = replace(_tight_config(str(path), 200), device="cuda", spec=spec, disable_cuda_graph=disable)
+        engine, _ = build_engine_core(config, progress=False)
+        outputs, _ = run_staggered(engine, prompts)
+        assert engine.runner.spec_graphs.num_runs > 3
+        assert outputs == _hf_greedy(path, prompts, "cuda")
 
 
 @pytest.mark.parametrize("fused_topk", [False, True], ids=["pytorch-topk", "fused-topk"])

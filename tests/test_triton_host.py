@@ -110,6 +110,23 @@ def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
     _run_in_interpreter(_TAILS_IN_INTERPRETER, timeout=900)
 
 
+_CLOSED_TAILS_IN_INTERPRETER = """
+from conftest import check_closed_tail_attention
+from gemv_interpreter_check import interpreter_range
+from specserve.layers import triton_attention
+triton_attention.range = interpreter_range
+for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+    for splits in (1, 3, 32):
+        check_closed_tail_attention("cpu", dtype, splits, tolerance, heads=8, kv_heads=2, dim=32)
+"""
+
+
+def test_verified_trees_tails_as_one_block_in_the_interpreter():
+    # A tree's tails as one block of the run's own slots, each query row masked to its ancestors and itself,
+    # with 1, 3 and 32 slices (the block goes to the last; with 32, most slices hold no context).
+    _run_in_interpreter(_CLOSED_TAILS_IN_INTERPRETER, timeout=900)
+
+
 _ARGMAX_IN_INTERPRETER = """
 from conftest import check_argmax
 for dtype in (torch.float32, torch.float16):

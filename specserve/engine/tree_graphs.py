@@ -169,15 +169,17 @@ class TreeGraphs(SpecGraphs):
     # -- the program --------------------------------------------------------
     def _rows_meta(self, bs: int, n: int, slots: torch.Tensor, seq_lens: torch.Tensor, per_seq: int,
                    kv_heads: int, tails: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None,
-                   shared: bool = False, tables: torch.Tensor | None = None) -> AttentionMetadata:
+                   shared: bool = False, tables: torch.Tensor | None = None, closed: bool = False) -> AttentionMetadata:
         """`per_seq` rows per sequence, each one query over its sequence's pages up to seq_lens, then its tail.
         `shared`: a sequence's rows have one context length, so the kernel reads it once for all of them.
-        `tables`: the rows' page tables where the caller has them already (repeated per row)."""
+        `tables`: the rows' page tables where the caller has them already (repeated per row). `closed`: every
+        tail slot is one of the run's rows' own (AttentionMetadata.closed_tails)."""
         if tables is None:
             tables = self.tables[n][:bs].repeat_interleave(per_seq, 0)
         return AttentionMetadata.for_decode_kernel(
             slots, tables, seq_lens.to(torch.int32), self.page_size, kv_heads, n, tail_slots=tails,
-            tail_lens=None if tail_lens is None else tail_lens.to(torch.int32), rows_per_seq=per_seq if shared else 1)
+            tail_lens=None if tail_lens is None else tail_lens.to(torch.int32), rows_per_seq=per_seq if shared else 1,
+            closed_tails=closed)
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
         candidates = self._search(bs, n)
@@ -284,7 +286,8 @@ class TreeGraphs(SpecGraphs):
         tails = nodes["slots"].gather(1, nodes["path"].view(bs, -1)).view(bs * width, self.depth)
         root_pos = self.root_pos[:bs]
         meta = self._rows_meta(bs, n, nodes["slots"].reshape(-1), (root_pos + 1).repeat_interleave(width), width,
-                               self.target.config.num_kv_heads, tails, nodes["depth"].reshape(-1), shared=True)
+                               self.target.config.num_kv_heads, tails, nodes["depth"].reshape(-1), shared=True,
+                               closed=True)
         positions = (root_pos[:, None] + nodes["depth"]).view(-1)
         hidden, captured = self.target(nodes["tokens"].reshape(-1), positions, meta, self.kv_cache,
                                        self.drafter.capture_layers)

@@ -81,6 +81,9 @@ class AttentionMetadata:
     # Rows come in runs of this many that share one page table and context length (a sequence's tree nodes):
     # the kernel reads that context once per run.
     rows_per_seq: int = 1
+    # Every slot in a run's tails is one of its rows' own (a verified tree: ancestors and self), so the kernel
+    # may attend to the run's tails as one block (triton_attention.CLOSED_TAILS).
+    closed_tails: bool = False
     decode_rows: DecodeRows | None = None  # with groups: the step's single-query rows, by the decode kernel
 
     @classmethod
@@ -258,7 +261,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         from specserve.layers.triton_attention import paged_decode_attention
 
         out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.page_size,
-                                     meta.num_splits, meta.tail_slots, meta.tail_lens, meta.rows_per_seq)
+                                     meta.num_splits, meta.tail_slots, meta.tail_lens, meta.rows_per_seq,
+                                     closed_tails=meta.closed_tails)
         return out.view(q.shape[0], -1)
     if len(meta.groups) == 1 and meta.groups[0].tokens is None:
         return _attend(q, k, v, kv_cache, meta.groups[0], scale)

@@ -9,6 +9,8 @@ slice, a second kernel merges them by their log-sum-exp (with one slice the firs
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,10 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 # keep the smaller tile.
 ROW_TILE = (64, 4, 4)
 TREE_TILE = (32, 4, 3)
+# A verified tree's tails as one block (`closed_tails`): its 16-token verify at context 600 took 4.35 ms against
+# 4.48 with a block per row (benchmarks/tree_verify_attention.py). SPECSERVE_CLOSED_TAILS=0 is the A/B, read at
+# import.
+CLOSED_TAILS = os.environ.get("SPECSERVE_CLOSED_TAILS", "1") != "0"
 
 
 @triton.jit
@@ -66,7 +72,8 @@ def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
                     stride_os, stride_lb, stride_lh, CHUNK,
                     GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
                     D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                    DIRECT: tl.constexpr, PDL: tl.constexpr, TAIL_PAD: tl.constexpr):
+                    DIRECT: tl.constexpr, PDL: tl.constexpr, TAIL_PAD: tl.constexpr, TAIL_WIDTH: tl.constexpr,
+                    CLOSED_TAILS: tl.constexpr):
     """One program: one sequence's ROWS query rows (tree nodes share their context; 1 for plain decode) x
     the GROUP query heads of one KV head, over one slice of the context, so K/V are read once for all."""
     if PDL:
@@ -88,6 +95,7 @@ def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
     m = tl.full([M], float("-inf"), tl.float32)
     l = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
+    splits = tl.num_programs(2)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, seq_len)
     for off in range(start, end, BLOCK):
@@ -97,13 +105,29 @@ def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
         slot = (page * PAGE + t % PAGE).to(tl.int64)
         m, l, acc = _attend_block(q, K, V, slot, valid, valid[None, :], kv_head, stride_ks, stride_kh, m, l, acc,
                                   scale, D, IEEE, False)
-    if TAIL_PAD > 0:
+    if CLOSED_TAILS:
+        # Every slot in a run's tails is some row's own (the last of its tail: a tree's nodes, each seeing its
+        # ancestors and itself). The run's own slots are one block, and each query row sees those in its tail,
+        # so the whole tree is one pass of the last slice, not a block per row.
+        if split == splits - 1:
+            j = tl.arange(0, TAIL_PAD)
+            own_len = tl.load(TAIL_LENS + seq * ROWS + j, mask=j < ROWS, other=0)
+            has_own = own_len > 0
+            own = tl.load(TAIL + (seq * ROWS + j) * stride_tail + own_len - 1, mask=has_own, other=0)
+            row_len = tl.load(TAIL_LENS + rows, mask=ok, other=0)
+            see = tl.zeros([M, TAIL_PAD], tl.int32)
+            for t in tl.static_range(TAIL_WIDTH):
+                listed = tl.load(TAIL + rows * stride_tail + t, mask=ok & (t < row_len), other=-1)
+                see |= (listed[:, None] == own[None, :]).to(tl.int32)
+            see = (see != 0) & has_own[None, :]
+            m, l, acc = _attend_block(q, K, V, own.to(tl.int64), has_own, see, kv_head, stride_ks, stride_kh, m, l,
+                                      acc, scale, D, IEEE, True)
+    elif TAIL_PAD > 0:
         # Draft-tree rows: after the shared context, the slots of each row's ancestors and its own, listed
         # per row (scattered, so not reachable through the page table). Each row's tail is one block for one
         # slice, dealt from the last slice down: the last slices hold the least context, and one slice taking
         # every row's tail (17 blocks one after another for a 16-node tree) held the whole launch up.
         t = tl.arange(0, TAIL_PAD)
-        splits = tl.num_programs(2)
         for r in tl.static_range(ROWS):
             if (splits - 1 - split) == r % splits:
                 valid = t < tl.load(TAIL_LENS + seq * ROWS + r)
@@ -157,13 +181,16 @@ def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, page_size: int, splits: int,
                            tail_slots: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None,
-                           rows_per_seq: int = 1, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                           rows_per_seq: int = 1, tile: tuple[int, int, int] | None = None,
+                           closed_tails: bool = False) -> torch.Tensor:
     """q [B, H, D]; kv_cache [2, slots, Hkv, D]; block_tables [B, pages] int32; seq_lens [B] int32 -> [B, H, D].
     Row b attends to positions [0, seq_lens[b]) through its page table, then (draft trees) to the first
     tail_lens[b] slots of tail_slots [B, T] (int64). With `rows_per_seq` = R, rows come in runs of R that
     share one sequence's page table and context length (a tree's nodes), and one program serves a run, so the
     context is read once for all R. `tile` (context tokens per inner iteration, warps, stages) is a tuning
-    knob (default: ROW_TILE, or TREE_TILE for runs of rows)."""
+    knob (default: ROW_TILE, or TREE_TILE for runs of rows). `closed_tails`: every slot in a run's tails is
+    the last (own) slot of one of its rows, as in a verified tree, so the run's tails are attended as one block
+    with each row's mask (where CLOSED_TAILS)."""
     block, num_warps, num_stages = tile or (ROW_TILE if rows_per_seq == 1 else TREE_TILE)
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[2]
@@ -177,7 +204,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     lse = part if direct else torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     keys, values = kv_cache[0], kv_cache[1]
     assert batch % rows_per_seq == 0
-    tail_pad = 0 if tail_slots is None else max(16, triton.next_power_of_2(tail_slots.shape[1]))
+    closed = closed_tails and CLOSED_TAILS and tail_slots is not None
+    tail_width = 0 if tail_slots is None else tail_slots.shape[1]
+    tail_pad = 0 if tail_slots is None else max(16, triton.next_power_of_2(rows_per_seq if closed else tail_width))
     if tail_slots is not None:  # the kernel steps through a row's tail with unit stride
         assert tail_slots.stride(1) == 1 and tail_lens.dtype == torch.int32
     else:  # unused pointers
@@ -189,7 +218,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         chunk, GROUP=group, GROUP_POW2=group_pow2, M=max(16, triton.next_power_of_2(rows_per_seq * group_pow2)),
         ROWS=rows_per_seq, D=dim, PAGE=page_size, BLOCK=block, IEEE=q.dtype == torch.float32, DIRECT=direct,
-        num_warps=num_warps, num_stages=num_stages, TAIL_PAD=tail_pad, **triton_pdl.launch_options(q),
+        num_warps=num_warps, num_stages=num_stages, TAIL_PAD=tail_pad, TAIL_WIDTH=tail_width, CLOSED_TAILS=closed,
+        **triton_pdl.launch_options(q),
     )
     if direct:
         return out
