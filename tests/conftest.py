@@ -263,6 +263,103 @@ def check_closed_tail_attention(device: str, dtype: torch.dtype, splits: int, to
     torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
 
 
+def _tree_candidates(bs: int, k: int, depth: int, generator: torch.Generator):
+    """A search's candidates as the tree program makes them ([bs, C]: target ids, parent candidate or -1,
+    cumulative scores): each level's children hang off the k best of the level before, and scores step down
+    by a few discrete amounts (zero included) so that ties are common."""
+    steps = torch.tensor([0.0, -0.5, -0.5, -1.0, -2.0])
+    tokens, parents, scores = [], [], []
+    level_scores = steps[torch.randint(len(steps), (bs, k), generator=generator)].sort(dim=1, descending=True).values
+    level_parents = torch.full((bs, k), -1)
+    start = 0
+    for level in range(depth):
+        tokens.append(torch.randint(0, 1000, level_scores.shape, generator=generator))
+        parents.append(level_parents)
+        scores.append(level_scores)
+        order = torch.sort(level_scores, dim=1, descending=True, stable=True).indices[:, :k]
+        fed = torch.repeat_interleave(start + order, k, dim=1)
+        value = steps[torch.randint(len(steps), (bs, k, k), generator=generator)].sort(dim=2, descending=True).values
+        level_scores = (level_scores.gather(1, order)[..., None] + value).view(bs, k * k)
+        level_parents = fed
+        start += tokens[-1].shape[1]
+    return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
+
+
+def check_tree_select(device: str) -> None:
+    """triton_tree.select_nodes against TreeGraphs._select's PyTorch form: every output equal, with tied scores,
+    and limits that keep all, some and one of the N best."""
+    from types import SimpleNamespace
+
+    from specserve.engine import triton_tree
+    from specserve.engine.tree_graphs import TreeGraphs
+
+    generator = torch.Generator().manual_seed(3)
+    for k, depth, n in ((4, 5, 15), (2, 3, 5), (3, 4, 20)):
+        bs = 3
+        tokens, parents, scores = _tree_candidates(bs, k, depth, generator)
+        sizes = [k] + [k * k] * (depth - 1)
+        program = SimpleNamespace(
+            num_drafts=n, device=torch.device("cpu"), depth=depth, fused=False,
+            candidate_depth=torch.cat([torch.full((c,), d + 1) for d, c in enumerate(sizes)]),
+            limit=torch.tensor([n, n // 2, 1]), root_ids=torch.tensor([7, 8, 9]), root_slots=torch.tensor([70, 80, 90]),
+            target_scratch=1000 + torch.arange(bs * n).view(bs, n))
+        expected = TreeGraphs._select(program, bs, tokens, parents, scores)
+        on = {name: getattr(program, name).to(device)
+              for name in ("candidate_depth", "limit", "root_ids", "root_slots", "target_scratch")}
+        candidates = {"tokens": tokens.to(device), "parents": parents.to(device), "scores": scores.to(device)}
+        ours = triton_tree.select_nodes(candidates, on["candidate_depth"], on["limit"], on["root_ids"],
+                                        on["root_slots"], on["target_scratch"], depth)
+        for name, value in expected.items():
+            assert torch.equal(ours[name].cpu(), value), (k, depth, n, name)
+
+
+def check_tree_expand(device: str, dtype: torch.dtype) -> None:
+    """triton_tree.expand_level against the PyTorch form of a search level (TreeGraphs._search): the children's
+    candidates, and what is fed next (tokens, scores, candidate numbers, parents' states, paths), with ties."""
+    from specserve.engine import triton_tree
+
+    generator = torch.Generator().manual_seed(4)
+    steps = torch.tensor([0.0, -0.5, -0.5, -1.0, -2.0])
+    for k, level, last in ((4, 1, False), (4, 3, False), (4, 4, True), (3, 2, False)):
+        bs, hidden, vocab, column = 3, 2500, 500, 11
+        values = steps[torch.randint(len(steps), (bs * k, k), generator=generator)].sort(1, descending=True).values
+        indices = torch.randint(0, vocab, (bs * k, k), generator=generator)
+        d2t = torch.randint(0, 5000, (vocab,), generator=generator)
+        fed_scores = steps[torch.randint(len(steps), (bs, k), generator=generator)]
+        frontier = torch.randint(0, 50, (bs, k), generator=generator)
+        states = torch.randn(bs * k, hidden, generator=generator).to(dtype)
+        path = torch.randint(0, 9000, (bs * k, level), generator=generator)
+        own = torch.randint(0, 9000, (bs, 2 * k), generator=generator)
+        # The PyTorch form
+        child_scores = (fed_scores[..., None] + values.view(bs, k, k)).view(bs, k * k)
+        child_tokens = (indices + d2t[indices]).view(bs, k * k)
+        order = torch.sort(child_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        parent = order // k
+        expected = {"tokens": child_tokens.gather(1, order), "scores": child_scores.gather(1, order),
+                    "frontier": column + order,
+                    "states": states.view(bs, k, -1).gather(1, parent[..., None].expand(-1, -1, hidden)).view(
+                        bs * k, hidden),
+                    "path": torch.cat([path.view(bs, k, level).gather(1, parent[..., None].expand(-1, -1, level)),
+                                       own[:, :k, None]], dim=-1).view(bs * k, level + 1)}
+        c = column + k * k + 3
+        long = dict(dtype=torch.long, device=device)
+        candidates = {"tokens": torch.full((bs, c), -5, **long), "parents": torch.full((bs, c), -5, **long),
+                      "scores": torch.full((bs, c), 9.0, device=device)}
+        out = {"tokens": torch.zeros(bs, k, **long), "scores": torch.zeros(bs, k, device=device),
+               "frontier": torch.zeros(bs, k, **long),
+               "states": torch.zeros(bs * k, hidden, dtype=dtype, device=device),
+               "path": torch.zeros(bs * k, level + 1, **long)}
+        on = [t.to(device) for t in (values, indices, d2t, fed_scores, frontier, states, path, own)]
+        triton_tree.expand_level(*on, candidates, column, level, last, out)
+        span = slice(column, column + k * k)
+        assert torch.equal(candidates["tokens"][:, span].cpu(), child_tokens)
+        assert torch.equal(candidates["scores"][:, span].cpu(), child_scores)
+        assert torch.equal(candidates["parents"][:, span].cpu(), frontier.repeat_interleave(k, dim=1))
+        assert (candidates["tokens"][:, :column] == -5).all() and (candidates["tokens"][:, span.stop:] == -5).all()
+        for name, value in expected.items():  # the last level feeds nothing
+            assert (out[name] == 0).all() if last else torch.equal(out[name].cpu(), value), (k, level, name)
+
+
 def check_argmax(device: str, dtype: torch.dtype) -> None:
     """The argmax kernels (layers/triton_argmax.py) against torch.argmax: vocabularies of one block, of many and
     not a multiple of the block, a row stride wider than the row, ties at the top across blocks, a NaN, a row of

@@ -12,8 +12,8 @@ from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
 from conftest import (check_accept_and_pack, check_argmax, check_chain_rows, check_closed_tail_attention,
-                      check_rms_norm_pair, check_tail_attention, run_mixed_sampling, watch_drafting_paths,
-                      write_peaked_random_head)
+                      check_rms_norm_pair, check_tail_attention, check_tree_expand, check_tree_select,
+                      run_mixed_sampling, watch_drafting_paths, write_peaked_random_head)
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -319,13 +319,23 @@ def test_triton_decode_attention_with_a_trees_tails_as_one_block_matches_the_row
     check_closed_tail_attention("cuda", dtype, splits, 1e-4 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("closed_tails", [False, True], ids=["tails-per-row", "tails-as-one-block"])
-def test_eagle3_tree_program_tail_forms_match_transformers(tiny_checkpoint, tmp_path, monkeypatch, closed_tails):
-    """The tree program, in graphs and eagerly, with its verified tree's tails attended a block per row or as
-    one block (SPECSERVE_CLOSED_TAILS, on by default), gives HF's greedy output."""
+def test_fused_tree_search_kernels_match_the_pytorch_forms():
+    """A search level's bookkeeping and the tree's selection (engine/triton_tree.py) against the PyTorch forms."""
+    check_tree_select("cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        check_tree_expand("cuda", dtype)
+
+
+@pytest.mark.parametrize("new_forms", [False, True], ids=["tails-per-row-pytorch-search", "one-block-fused-search"])
+def test_eagle3_tree_program_forms_match_transformers(tiny_checkpoint, tmp_path, monkeypatch, new_forms):
+    """The tree program, in graphs and eagerly, gives HF's greedy output with its verified tree's tails attended
+    a block per row or as one block (SPECSERVE_CLOSED_TAILS), and its search's bookkeeping in PyTorch or in
+    Triton kernels (SPECSERVE_FUSED_SEARCH): both on by default."""
+    from specserve.engine import triton_tree
     from specserve.layers import triton_attention
 
-    monkeypatch.setattr(triton_attention, "CLOSED_TAILS", closed_tails)
+    monkeypatch.setattr(triton_attention, "CLOSED_TAILS", new_forms)
+    monkeypatch.setattr(triton_tree, "ENABLED", new_forms)
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     prompts = _prompts(512, seed=5)
@@ -334,7 +344,8 @@ def test_eagle3_tree_program_tail_forms_match_transformers(tiny_checkpoint, tmp_
         config = replace(_tight_config(str(path), 200), device="cuda", spec=spec, disable_cuda_graph=disable)
         engine, _ = build_engine_core(config, progress=False)
         outputs, _ = run_staggered(engine, prompts)
-        assert engine.runner.spec_graphs.num_runs > 3
+        program = engine.runner.spec_graphs
+        assert program.num_runs > 3 and program.fused == new_forms
         assert outputs == _hf_greedy(path, prompts, "cuda")
 
 

@@ -127,6 +127,61 @@ def test_verified_trees_tails_as_one_block_in_the_interpreter():
     _run_in_interpreter(_CLOSED_TAILS_IN_INTERPRETER, timeout=900)
 
 
+_TREE_SEARCH_IN_INTERPRETER = """
+from conftest import check_tree_expand, check_tree_select
+from gemv_interpreter_check import interpreter_range
+from specserve.engine import triton_tree
+triton_tree.range = interpreter_range
+check_tree_select("cpu")
+for dtype in (torch.float32, torch.bfloat16):
+    check_tree_expand("cpu", dtype)
+"""
+
+
+def test_fused_tree_search_kernels_in_the_interpreter_match_the_pytorch_forms():
+    # A search level's bookkeeping and the tree's selection, each one kernel, against the PyTorch forms the
+    # CPU runs: equal outputs, ties included.
+    _run_in_interpreter(_TREE_SEARCH_IN_INTERPRETER, timeout=900)
+
+
+_FUSED_TREE_PROGRAM_IN_INTERPRETER = """
+from dataclasses import replace
+from conftest import count_accepted, write_peaked_random_head
+from gemv_interpreter_check import interpreter_range
+from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+from specserve.config import SpecConfig
+from specserve.engine import factory, triton_tree
+from specserve.engine.factory import build_engine_core
+triton_tree.range = interpreter_range
+factory.TREE_PROGRAM_ON_CPU = True
+from pathlib import Path
+path, head = Path({path!r}), Path({head!r})
+write_peaked_random_head(path, head)
+prompts = _prompts(512, seed=4)
+runs = []
+for fused in (True, False):
+    spec = SpecConfig("EAGLE3", str(head), num_steps=4, eagle_topk=3, num_draft_tokens=9)
+    engine, _ = build_engine_core(replace(_tight_config(str(path), 200), spec=spec), progress=False)
+    program = engine.runner.spec_graphs
+    if fused:
+        program.fused = True
+        program._allocate_search(program.candidate_depth.numel())
+    accepted = count_accepted(engine)
+    outputs, _ = run_staggered(engine, prompts)
+    assert program.num_runs > 10
+    runs.append((outputs, accepted))
+assert runs[0] == runs[1]
+assert runs[0][0] == _hf_greedy(path, prompts)
+"""
+
+
+def test_tree_program_with_the_fused_search_in_the_interpreter_is_lossless(tiny_checkpoint, tmp_path):
+    # The tree program on the CPU with its search's bookkeeping and selection in the Triton kernels (run by the
+    # interpreter): HF's greedy output, and every step accepting what the PyTorch form's step accepts.
+    path = tiny_checkpoint("llama", True)
+    _run_in_interpreter(_FUSED_TREE_PROGRAM_IN_INTERPRETER.format(path=str(path), head=str(tmp_path)), timeout=900)
+
+
 _ARGMAX_IN_INTERPRETER = """
 from conftest import check_argmax
 for dtype in (torch.float32, torch.float16):

@@ -90,12 +90,19 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return top.values, top.indices
 
 
+def _fused_search_enabled() -> bool:
+    from specserve.engine import triton_tree  # Triton: GPU machines only
+
+    return triton_tree.ENABLED
+
+
 def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
     """values [B, N + 1, V] at each row's node [B] -> [B, V]."""
     return values.gather(1, node[:, None, None].expand(-1, 1, values.shape[2]))[:, 0]
 
 
 class TreeGraphs(SpecGraphs):
+    fused = False  # the search's bookkeeping in Triton kernels (engine/triton_tree.py): on a GPU, by default
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, topk: int, num_steps: int,
                  num_drafts: int, pad_slot: int, target_scratch: int, head_scratch: int, max_bs: int,
                  max_context: int, page_size: int, simulate_accept_len: float | None, rng, capture: bool,
@@ -118,8 +125,29 @@ class TreeGraphs(SpecGraphs):
         # The tail length of every fed row at each level of the search (a level's rows hold `level` fed nodes).
         self.level_lens = torch.arange(self.depth, dtype=torch.int32, device=self.device)[:, None].repeat(
             1, self.max_bs * topk)
+        self.fused = self.device.type == "cuda" and _fused_search_enabled()
+        if self.fused:
+            self._allocate_search(sum(sizes))
         if capture:
             self._capture(progress, "capturing speculative tree graphs")
+
+    def _allocate_search(self, num_candidates: int) -> None:
+        """Static buffers of the fused search (engine/triton_tree.py): the candidates, what each level feeds the
+        next (two sets, a level reads one and writes the other), and the first level's paths."""
+        b, k, depth = self.max_bs, self.topk, self.depth
+        hidden, dtype = self.head.config.model.hidden_size, self.target.embed_tokens.weight.dtype
+        long = dict(dtype=torch.long, device=self.device)
+        self.candidates = {"tokens": torch.zeros(b, num_candidates, **long),
+                           "parents": torch.full((b, num_candidates), -1, **long),  # level 0's stay -1
+                           "scores": torch.zeros(b, num_candidates, dtype=torch.float32, device=self.device)}
+        self.fed_sets = [{"tokens": torch.zeros(b, k, **long),
+                          "scores": torch.zeros(b, k, dtype=torch.float32, device=self.device),
+                          "frontier": torch.zeros(b, k, **long),
+                          "states": torch.zeros(b * k, hidden, dtype=dtype, device=self.device),
+                          "paths": [torch.zeros(b * k, level + 1, **long) for level in range(depth)]}
+                         for _ in range(2)]
+        self.first_frontier = torch.arange(k, **long).repeat(b, 1)
+        self.first_path = self.head_scratch[:, :k].reshape(b * k, 1).clone()  # level 1's rows: their own slots
 
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
         b, w = self.max_bs, self.width
@@ -214,6 +242,8 @@ class TreeGraphs(SpecGraphs):
         state = head(embedding, drafter.taps[catch_slots], catch_pos, meta, drafter.kv_cache,
                      self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
         values, indices = log_softmax_topk(head.compute_logits(state), k)
+        if self.fused:
+            return self._search_fused(bs, n, state, values, head.to_target_ids(indices))
         tokens, scores = [head.to_target_ids(indices)], [values]
         parents = [torch.full((bs, k), -1, dtype=torch.long, device=self.device)]
         frontier = torch.arange(k, device=self.device).expand(bs, k)  # candidates fed next
@@ -248,8 +278,48 @@ class TreeGraphs(SpecGraphs):
             path = path.gather(1, parent[..., None].expand(-1, -1, level))
         return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
 
+    def _search_fused(self, bs: int, n: int, state: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor):
+        """`_search` after the head's catch-up, with each level's bookkeeping in one kernel
+        (triton_tree.expand_level); the same candidates, in static buffers."""
+        from specserve.engine import triton_tree
+
+        head, k = self.head, self.topk
+        embedding = self.target.embed_tokens.weight
+        head_kv = head.config.model.num_kv_heads
+        candidates = {name: buffer[:bs] for name, buffer in self.candidates.items()}
+        candidates["tokens"][:, :k] = tokens
+        candidates["scores"][:, :k] = values
+        fed = {"tokens": tokens, "scores": values, "frontier": self.first_frontier[:bs],
+               "states": state.repeat_interleave(k, dim=0), "path": self.first_path[: bs * k]}
+        fed_root = self.root_pos[:bs].repeat_interleave(k)
+        fed_context = fed_root.to(torch.int32)
+        fed_tables = self.tables[n][:bs].repeat_interleave(k, 0)
+        d2t = getattr(head, "d2t", None)
+        for level in range(1, self.depth):
+            own = self.head_scratch[:bs, (level - 1) * k: level * k]
+            meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head_kv, fed["path"],
+                                   self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
+            out = head(embedding, fed["states"], fed_root + (level - 1), meta, self.drafter.kv_cache,
+                       fed["tokens"].reshape(-1))
+            values, indices = log_softmax_topk(head.compute_logits(out), k)
+            last = level == self.depth - 1
+            sets = self.fed_sets[level % 2]
+            nxt = {name: sets[name][:bs] for name in ("tokens", "scores", "frontier")}
+            nxt.update(states=sets["states"][: bs * k], path=sets["paths"][level][: bs * k])
+            triton_tree.expand_level(values, indices, d2t, fed["scores"], fed["frontier"], out.contiguous(),
+                                     fed["path"], self.head_scratch[:bs, level * k:], candidates,
+                                     k + (level - 1) * k * k, level, last, nxt)
+            fed = nxt
+        return candidates["tokens"], candidates["parents"], candidates["scores"]
+
     def _select(self, bs: int, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> dict:
         """The N best candidates, parents first, as tree nodes 1..N under the root (node 0)."""
+        if self.fused:
+            from specserve.engine import triton_tree
+
+            candidates = {"tokens": tokens, "parents": parents, "scores": scores}
+            return triton_tree.select_nodes(candidates, self.candidate_depth, self.limit[:bs], self.root_ids[:bs],
+                                            self.root_slots[:bs], self.target_scratch[:bs], self.depth)
         n = self.num_drafts
         ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
         kept = ranked.sort(dim=-1).values  # candidate order: parents before children

@@ -1,0 +1,163 @@
+"""The tree search's bookkeeping between the head's passes, one kernel a level, and the selection of the tree in one.
+
+In PyTorch (`TreeGraphs._expand_level` and `_select`, the CPU path and the reference), each level of the search
+makes its children's scores and target ids, sorts them to feed the k best to the next level and gathers their
+states, tokens and paths: ~17 small kernels; keeping the N best candidates and laying them out as a tree
+(ranks, node numbers, parents, paths) takes ~35 more. In a batch-1 graph on an H200 each paid a launch's
+latency (~1.8 us), ~0.2 ms a step in all. Here one program per sequence does a level, and one the selection.
+Rankings compare every pair of candidates, so ties keep the earlier candidate, as a stable sort does.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# SPECSERVE_FUSED_SEARCH=0 is the A/B switch back to the PyTorch form on a GPU.
+ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
+
+
+@triton.jit
+def _ranks(score, index, valid):
+    """Each entry's place in (score descending, index ascending) order among the valid ones."""
+    tied_before = (score[None, :] == score[:, None]) & (index[None, :] < index[:, None])
+    ahead = (score[None, :] > score[:, None]) | tied_before
+    return tl.sum((ahead & valid[None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _expand_kernel(VALUES, INDICES, D2T, FED_SCORES, FRONTIER, STATES, PATH, OWN,
+                   CAND_TOKENS, CAND_SCORES, CAND_PARENTS, NEXT_TOKENS, NEXT_SCORES, NEXT_FRONTIER, NEXT_STATES,
+                   NEXT_PATH, stride_fed, stride_frontier, stride_cand, stride_own, column, hidden,
+                   K: tl.constexpr, KK_PAD: tl.constexpr, K_PAD: tl.constexpr, LEVEL: tl.constexpr,
+                   LAST: tl.constexpr, HAS_D2T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One sequence, one level: its k fed rows' k best children (VALUES, INDICES [bs * k, k]) become candidates
+    `column`.. (target id, cumulative score, parent candidate); unless LAST, the k best of them are fed next:
+    their tokens, scores, candidate numbers (`column` + their place), the states of their parents' rows (STATES [bs * k, hidden]) and
+    their paths (their parents' LEVEL head slots, then their own, OWN [bs, >= k])."""
+    b = tl.program_id(0)
+    j = tl.arange(0, KK_PAD)
+    valid = j < K * K
+    fed = j // K
+    value = tl.load(VALUES + b * K * K + j, mask=valid, other=0.0)
+    index = tl.load(INDICES + b * K * K + j, mask=valid, other=0)
+    if HAS_D2T:
+        index += tl.load(D2T + index, mask=valid, other=0)
+    score = tl.load(FED_SCORES + b * stride_fed + fed, mask=valid, other=0.0) + value
+    score = tl.where(valid, score, float("-inf"))
+    parent = tl.load(FRONTIER + b * stride_frontier + fed, mask=valid, other=0)
+    tl.store(CAND_TOKENS + b * stride_cand + column + j, index, mask=valid)
+    tl.store(CAND_SCORES + b * stride_cand + column + j, score, mask=valid)
+    tl.store(CAND_PARENTS + b * stride_cand + column + j, parent, mask=valid)
+    if not LAST:
+        rank = _ranks(score, j, valid)
+        r = tl.arange(0, K_PAD)
+        r_ok = r < K
+        pick = (rank[None, :] == r[:, None]) & valid[None, :] & r_ok[:, None]  # [K_PAD, KK_PAD]: child of rank r
+        order = tl.sum(tl.where(pick, j[None, :], 0), axis=1)
+        tl.store(NEXT_TOKENS + b * K + r, tl.sum(tl.where(pick, index[None, :], 0), axis=1), mask=r_ok)
+        tl.store(NEXT_SCORES + b * K + r, tl.sum(tl.where(pick, score[None, :], 0.0), axis=1), mask=r_ok)
+        tl.store(NEXT_FRONTIER + b * K + r, column + order, mask=r_ok)
+        src = (b * K + order // K).to(tl.int64)
+        dst = (b * K + r).to(tl.int64)
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            ok = r_ok[:, None] & (h[None, :] < hidden)
+            state = tl.load(STATES + src[:, None] * hidden + h[None, :], mask=ok)
+            tl.store(NEXT_STATES + dst[:, None] * hidden + h[None, :], state, mask=ok)
+        for d in tl.static_range(LEVEL):
+            tl.store(NEXT_PATH + dst * (LEVEL + 1) + d, tl.load(PATH + src * LEVEL + d, mask=r_ok), mask=r_ok)
+        tl.store(NEXT_PATH + dst * (LEVEL + 1) + LEVEL, tl.load(OWN + b * stride_own + r, mask=r_ok), mask=r_ok)
+
+
+def expand_level(values, indices, d2t, fed_scores, frontier, states, path, own, candidates: dict, column: int,
+                 level: int, last: bool, out: dict) -> None:
+    """`_expand_kernel` over the batch. `path` [bs * k, level] and `states` [bs * k, hidden] contiguous;
+    `fed_scores`, `frontier` [bs, k] with unit stride along k; `own` [bs, k..] the next level's own head slots.
+    Writes `candidates` (tokens, scores, parents [bs, C]) and, unless `last`, `out` (tokens, scores, frontier
+    [bs, k], states [bs * k, hidden], path [bs * k, level + 1])."""
+    rows, k = values.shape
+    bs = rows // k
+    assert states.is_contiguous() and path.is_contiguous() and fed_scores.stride(1) == 1
+    assert frontier.stride(1) == 1 and own.stride(1) == 1
+    hidden = states.shape[1]
+    nxt = out if not last else {name: candidates["tokens"] for name in ("tokens", "scores", "frontier", "states",
+                                                                       "path")}
+    _expand_kernel[(bs,)](
+        values, indices, d2t if d2t is not None else indices, fed_scores, frontier, states, path, own,
+        candidates["tokens"], candidates["scores"], candidates["parents"], nxt["tokens"], nxt["scores"],
+        nxt["frontier"], nxt["states"], nxt["path"], fed_scores.stride(0), frontier.stride(0),
+        candidates["tokens"].stride(0), own.stride(0), column, hidden, K=k,
+        KK_PAD=max(16, triton.next_power_of_2(k * k)), K_PAD=max(2, triton.next_power_of_2(k)), LEVEL=level,
+        LAST=last, HAS_D2T=d2t is not None, BLOCK_H=1024,
+    )
+
+
+@triton.jit
+def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS, SCRATCH,
+                   OUT_TOKENS, OUT_PARENT, OUT_DEPTH, OUT_PATH, OUT_IN_TREE, OUT_SLOTS, stride_cand, stride_scratch,
+                   C: tl.constexpr, C_PAD: tl.constexpr, N: tl.constexpr, N1_PAD: tl.constexpr,
+                   DEPTH: tl.constexpr):
+    """One sequence: its N best candidates (score descending, the earlier first among equals), numbered 1..N in
+    candidate order after the root (node 0), with their tokens, parent nodes, depths, paths (the ancestor at
+    each depth, itself last, 0 past it), whether they rank within the sequence's limit, and their slots."""
+    b = tl.program_id(0)
+    i = tl.arange(0, C_PAD)
+    valid = i < C
+    cand = b * stride_cand + i
+    score = tl.load(SCORES + cand, mask=valid, other=float("-inf"))
+    rank = _ranks(score, i, valid)
+    kept = valid & (rank < N)
+    node = 1 + tl.sum((kept[None, :] & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    node_of = tl.where(kept, node, 0)
+    parent_cand = tl.load(PARENTS + cand, mask=valid, other=-1)
+    parent = tl.sum(tl.where(i[None, :] == parent_cand[:, None], node_of[None, :], 0), axis=1)
+    depth = tl.load(DEPTHS + i, mask=valid, other=0)
+    out = b * (N + 1) + node
+    tl.store(OUT_TOKENS + out, tl.load(TOKENS + cand, mask=valid, other=0), mask=kept)
+    tl.store(OUT_PARENT + out, parent.to(tl.int64), mask=kept)
+    tl.store(OUT_DEPTH + out, depth, mask=kept)
+    tl.store(OUT_IN_TREE + out, (rank < tl.load(LIMIT + b)).to(tl.int8), mask=kept)
+    root = b * (N + 1)
+    tl.store(OUT_TOKENS + root, tl.load(ROOT_IDS + b))
+    tl.store(OUT_PARENT + root, 0)
+    tl.store(OUT_DEPTH + root, 0)
+    tl.store(OUT_IN_TREE + root, 1)
+    s = tl.arange(0, N1_PAD)
+    scratch = tl.load(SCRATCH + b * stride_scratch + s - 1, mask=(s >= 1) & (s <= N), other=0)
+    tl.store(OUT_SLOTS + root + s, tl.where(s == 0, tl.load(ROOT_SLOTS + b), scratch), mask=s <= N)
+    # Paths: walk up from each kept candidate, writing each ancestor's node at its depth.
+    up, ancestor = i, node_of
+    for step in tl.static_range(DEPTH):
+        at = depth - 1 - step
+        tl.store(OUT_PATH + out.to(tl.int64) * DEPTH + at, ancestor.to(tl.int64), mask=kept & (at >= 0))
+        up = tl.load(PARENTS + b * stride_cand + up, mask=valid & (up >= 0), other=-1)
+        ancestor = tl.sum(tl.where(i[None, :] == up[:, None], node_of[None, :], 0), axis=1)
+    for d in tl.static_range(DEPTH):
+        tl.store(OUT_PATH + out.to(tl.int64) * DEPTH + d, 0, mask=kept & (d >= depth))
+        tl.store(OUT_PATH + root * DEPTH + d, 0)
+
+
+def select_nodes(candidates: dict, candidate_depth: torch.Tensor, limit: torch.Tensor, root_ids: torch.Tensor,
+                 root_slots: torch.Tensor, scratch: torch.Tensor, depth: int) -> dict:
+    """`TreeGraphs._select` in one kernel: candidates (tokens, parents [bs, C] int64, scores [bs, C] fp32) ->
+    the nodes dict (tokens, parent, depth, path, in_tree, slots)."""
+    tokens = candidates["tokens"]
+    bs, c = tokens.shape
+    n = scratch.shape[1]
+    long = dict(dtype=torch.long, device=tokens.device)
+    nodes = {"tokens": torch.empty(bs, n + 1, **long), "parent": torch.empty(bs, n + 1, **long),
+             "depth": torch.empty(bs, n + 1, **long), "path": torch.empty(bs, n + 1, depth, **long),
+             "in_tree": torch.empty(bs, n + 1, dtype=torch.bool, device=tokens.device),
+             "slots": torch.empty(bs, n + 1, **long)}
+    assert tokens.stride(1) == 1 and candidates["parents"].stride() == tokens.stride()
+    assert candidates["scores"].stride() == tokens.stride() and scratch.stride(1) == 1
+    _select_kernel[(bs,)](
+        tokens, candidates["parents"], candidates["scores"], candidate_depth, limit, root_ids, root_slots, scratch,
+        nodes["tokens"], nodes["parent"], nodes["depth"], nodes["path"], nodes["in_tree"].view(torch.int8),
+        nodes["slots"], tokens.stride(0), scratch.stride(0), C=c, C_PAD=triton.next_power_of_2(c), N=n,
+        N1_PAD=triton.next_power_of_2(n + 1), DEPTH=depth,
+    )
+    return nodes
