@@ -5,13 +5,14 @@ acceptance).
 - The verified tree's attention tails. The 16 verified rows share one context, and each row's tail is its ancestors
   and itself. Before, each row's tail was one block of the attention kernel, dealt over the context slices; with
   SPECSERVE_CLOSED_TAILS the tree's own slots are one block, each query row masked to those in its tail.
-- The search's bookkeeping between the head's passes, and the selection of the tree: in PyTorch (~50 small
-  kernels) or one Triton kernel a level and one for the selection (SPECSERVE_FUSED_SEARCH).
+- The search's bookkeeping between the head's passes, the selection of the tree and a greedy step's acceptance: in
+  PyTorch (~80 small kernels) or one Triton kernel a level, one for the selection and one for the acceptance
+  (SPECSERVE_FUSED_SEARCH).
 
 For each form, in turn and again, the drafting (head catch-up, search, selection), the verify and the whole step
-are captured in CUDA graphs and replayed back to back from the same state (a context of 600 tokens), beside a
-plain decode step. Each form's verify logits are compared with the first form's (the same math; the attention's
-rounding may differ).
+are captured in CUDA graphs and replayed back to back from the same state (a context of 600 tokens, the step's
+inputs restored), beside a plain decode step. Each form's verify logits are compared with the first form's (the
+same math; the attention's rounding may differ).
 
     python benchmarks/tree_step_forms.py --out benchmarks/results/tree_step_forms_h200.json
 """
@@ -24,7 +25,8 @@ from dataclasses import replace
 import torch
 
 from profile_gpu_step import critical_path, cuda_ms, kernel_groups
-from spec_step_parts import BASE, graphed, place_at, plain_step
+from spec_step_parts import BASE, graphed, plain_step
+from spec_step_parts import place_at as place_at_context
 from specserve.bench.decode import hardware_info
 from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
@@ -32,14 +34,19 @@ from specserve.layers import triton_attention
 
 TREE = SpecConfig("EAGLE3", None, 5, 4, 16, simulate_accept_len=4.0, draft_model_quantization="fp8")
 # name -> (tails as one block, fused search)
-FORMS = {"before: tails a block per row, search in PyTorch": (False, False),
-         "tails as one block, search in PyTorch": (True, False),
-         "tails as one block, fused search": (True, True)}
+FORMS = {"before: tails a block per row, bookkeeping in PyTorch": (False, False),
+         "tails as one block, bookkeeping in PyTorch": (True, False),
+         "tails as one block, bookkeeping in Triton": (True, True)}
 
 
-def measure_form(engine, program, n: int, context: int, repeats: int, profile: bool) -> tuple[dict, torch.Tensor]:
-    """Drafting, verify and whole-step device times of the program as it is set now, from one state; and the
-    verify's logits."""
+def measure_form(engine, program, n: int, context: int, start: torch.Tensor, repeats: int, profile: bool
+                 ) -> tuple[dict, torch.Tensor]:
+    """Drafting, verify and whole-step device times of the program as it is set now, from one state (`start`: the
+    step's inputs, which its replays rewrite for the step after them); and the verify's logits."""
+
+    def place_at(program, context):
+        program._flat.copy_(start)
+        return place_at_context(program, context)
     place_at(program, context)
     search, nodes = graphed(lambda: program._select(1, *program._search(1, n)))
     verify, logits = graphed(lambda: program._verify_logits(1, n, nodes))
@@ -72,11 +79,12 @@ def main() -> None:
         program._allocate_search(program.candidate_depth.numel())
     results, reference = [], None
     with torch.inference_mode():
-        n = place_at(program, args.context)
+        n = place_at_context(program, args.context)
+        start = program._flat.clone()
         for round_ in range(args.rounds):
             for name, (closed, fused) in FORMS.items():
                 triton_attention.CLOSED_TAILS, program.fused = closed, fused
-                row, logits = measure_form(engine, program, n, args.context, args.repeats, round_ == 0)
+                row, logits = measure_form(engine, program, n, args.context, start, args.repeats, round_ == 0)
                 reference = logits if reference is None else reference
                 row = {"form": name, "round": round_, **row,
                        "max_logit_diff_vs_first": round((logits - reference).abs().max().item(), 4),

@@ -313,6 +313,52 @@ def check_tree_select(device: str) -> None:
             assert torch.equal(ours[name].cpu(), value), (k, depth, n, name)
 
 
+def check_tree_accept(device: str) -> None:
+    """triton_tree.accept_tree against TreeGraphs' PyTorch forms (`_leaf`, `_emit`, `_packed`, and the slots
+    `_move_accepted` moves): greedy, with a path matched to a random depth in each tree, and forced (simulated)."""
+    from types import SimpleNamespace
+
+    from specserve.engine import triton_tree
+    from specserve.engine.chain_graphs import _packed
+    from specserve.engine.tree_graphs import TreeGraphs
+
+    generator = torch.Generator().manual_seed(5)
+    for k, depth, n in ((4, 5, 15), (2, 3, 5), (3, 4, 20)):
+        bs, pad = 4, 9999
+        tokens, parents, scores = _tree_candidates(bs, k, depth, generator)
+        sizes = [k] + [k * k] * (depth - 1)
+        program = SimpleNamespace(
+            num_drafts=n, device=torch.device("cpu"), depth=depth, fused=False, pad_slot=pad,
+            candidate_depth=torch.cat([torch.full((c,), d + 1) for d, c in enumerate(sizes)]),
+            limit=torch.tensor([n, n // 2, 1, n]), root_ids=torch.tensor([7, 8, 9, 10]),
+            root_slots=torch.tensor([70, 80, 90, 100]), target_scratch=1000 + torch.arange(bs * n).view(bs, n),
+            real_slots=5000 + torch.arange(bs * depth).view(bs, depth))
+        nodes = TreeGraphs._select(program, bs, tokens, parents, scores)
+        best = torch.randint(0, 1000, (bs, n + 1), generator=generator)
+        for b in range(bs):  # the target chooses the tokens on the way to a random node
+            node = torch.randint(n + 1, (), generator=generator).item()
+            while node:
+                best[b, nodes["parent"][b, node]] = nodes["tokens"][b, node]
+                node = nodes["parent"][b, node].item()
+        for forced in (None, torch.tensor([0, 1, depth, depth + 3])):
+            leaf = TreeGraphs._leaf(program, bs, nodes, best, forced)
+            tokens_out, accepted, path = TreeGraphs._emit(program, nodes, leaf, best.gather(1, leaf[:, None])[:, 0])
+            keep = torch.arange(depth)[None, :] < accepted[:, None]
+            src = torch.where(keep, nodes["slots"].gather(1, path), pad)
+            dst = torch.where(keep, program.real_slots, pad)
+            roots = torch.tensor([3, 4, 5, 6])
+            last_packed = torch.zeros(bs + 1, depth + 2, dtype=torch.long, device=device)
+            last_root = torch.zeros(bs + 1, dtype=torch.long, device=device)
+            ours = triton_tree.accept_tree({name: t.to(device) for name, t in nodes.items()}, best.to(device),
+                                           None if forced is None else forced.to(device), program.real_slots.to(device),
+                                           pad, roots.to(device), last_packed, last_root)
+            expected = _packed(tokens_out, accepted)
+            assert torch.equal(ours[0].cpu(), expected), (k, depth, forced)
+            assert torch.equal(ours[1].cpu(), src) and torch.equal(ours[2].cpu(), dst), (k, depth, forced)
+            assert torch.equal(last_packed[:bs].cpu(), expected) and torch.equal(last_root[:bs].cpu(), roots)
+            assert (accepted > 1).any() or forced is not None  # some tree accepted a path of two or more
+
+
 def check_tree_expand(device: str, dtype: torch.dtype) -> None:
     """triton_tree.expand_level against the PyTorch form of a search level (TreeGraphs._search): the children's
     candidates, and what is fed next (tokens, scores, candidate numbers, parents' states, paths), with ties."""

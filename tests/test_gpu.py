@@ -12,8 +12,8 @@ from specserve.engine.factory import build_engine_core
 from specserve.sampling_params import SamplingParams
 
 from conftest import (check_accept_and_pack, check_argmax, check_chain_rows, check_closed_tail_attention,
-                      check_rms_norm_pair, check_tail_attention, check_tree_expand, check_tree_select,
-                      run_mixed_sampling, watch_drafting_paths, write_peaked_random_head)
+                      check_rms_norm_pair, check_tail_attention, check_tree_accept, check_tree_expand,
+                      check_tree_select, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head)
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -320,8 +320,10 @@ def test_triton_decode_attention_with_a_trees_tails_as_one_block_matches_the_row
 
 
 def test_fused_tree_search_kernels_match_the_pytorch_forms():
-    """A search level's bookkeeping and the tree's selection (engine/triton_tree.py) against the PyTorch forms."""
+    """A search level's bookkeeping, the tree's selection and a greedy step's acceptance (engine/triton_tree.py)
+    against the PyTorch forms."""
     check_tree_select("cuda")
+    check_tree_accept("cuda")
     for dtype in (torch.float32, torch.bfloat16):
         check_tree_expand("cuda", dtype)
 
@@ -723,13 +725,13 @@ def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tm
 
 def _every_tile(rows: int, fp8: bool = False):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
-    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, one row's for fp8 weights too."""
+    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, those for fp8 weights too."""
     from specserve.layers import triton_gemv
 
     if rows == 1:
         return triton_gemv.ONE_ROW_TILES + (triton_gemv.FP8_ONE_ROW_TILES if fp8 else [])
     return (triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
-            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []))
+            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []) + (triton_gemv.FP8_ROWS_TILES if fp8 else []))
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

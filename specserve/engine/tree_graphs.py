@@ -209,6 +209,20 @@ class TreeGraphs(SpecGraphs):
             tail_lens=None if tail_lens is None else tail_lens.to(torch.int32), rows_per_seq=per_seq if shared else 1,
             closed_tails=closed)
 
+    def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
+        """With the fused search, a greedy step accepts and packs in one kernel (triton_tree.accept_tree)."""
+        if params is not None or not self.fused:
+            return super()._forward_packed(bs, n, metas, forced, params)
+        from specserve.engine import triton_tree
+
+        candidates = self._search(bs, n)
+        nodes = self._select(bs, *candidates)
+        best = argmax(self._verify_logits(bs, n, nodes))
+        packed, src, dst = triton_tree.accept_tree(nodes, best, forced, self.real_slots[:bs], self.pad_slot,
+                                                   self._roots(bs), self.last_packed, self.last_root)
+        self._move_slots(src.view(-1), dst.view(-1))
+        return packed
+
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
         candidates = self._search(bs, n)
         nodes = self._select(bs, *candidates)
@@ -407,5 +421,8 @@ class TreeGraphs(SpecGraphs):
         keep = torch.arange(self.depth, device=self.device)[None, :] < accepted[:, None]
         src = torch.where(keep, nodes["slots"].gather(1, path), self.pad_slot).view(-1)
         dst = torch.where(keep, self.real_slots[:bs], self.pad_slot).view(-1)
+        self._move_slots(src, dst)
+
+    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
         self.drafter.move_slots(src, dst)

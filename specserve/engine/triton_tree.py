@@ -1,11 +1,13 @@
-"""The tree search's bookkeeping between the head's passes, one kernel a level, and the selection of the tree in one.
+"""The tree program's bookkeeping in Triton: between the head's passes one kernel a level, the selection of the tree
+in one, and a greedy step's acceptance in one.
 
-In PyTorch (`TreeGraphs._expand_level` and `_select`, the CPU path and the reference), each level of the search
-makes its children's scores and target ids, sorts them to feed the k best to the next level and gathers their
-states, tokens and paths: ~17 small kernels; keeping the N best candidates and laying them out as a tree
-(ranks, node numbers, parents, paths) takes ~35 more. In a batch-1 graph on an H200 each paid a launch's
-latency (~1.8 us), ~0.2 ms a step in all. Here one program per sequence does a level, and one the selection.
-Rankings compare every pair of candidates, so ties keep the earlier candidate, as a stable sort does.
+In PyTorch (`TreeGraphs._search`, `_select`, `_leaf` and `_emit`: the CPU path and the reference), each level of
+the search makes its children's scores and target ids, sorts them to feed the k best to the next level and
+gathers their states, tokens and paths (~17 small kernels); keeping the N best candidates and laying them out as a
+tree (ranks, node numbers, parents, paths) takes ~35 more, and accepting a greedy step ~30. In a batch-1 graph on
+an H200 each pays a launch's latency (~1.8 us). Here one program per sequence does a level, one the selection,
+and one the acceptance. Rankings compare every pair of candidates, so ties keep the earlier candidate, as a
+stable sort does.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def _expand_kernel(VALUES, INDICES, D2T, FED_SCORES, FRONTIER, STATES, PATH, OWN
                    LAST: tl.constexpr, HAS_D2T: tl.constexpr, BLOCK_H: tl.constexpr):
     """One sequence, one level: its k fed rows' k best children (VALUES, INDICES [bs * k, k]) become candidates
     `column`.. (target id, cumulative score, parent candidate); unless LAST, the k best of them are fed next:
-    their tokens, scores, candidate numbers (`column` + their place), the states of their parents' rows (STATES [bs * k, hidden]) and
-    their paths (their parents' LEVEL head slots, then their own, OWN [bs, >= k])."""
+    their tokens, scores, candidate numbers (`column` + their place), the states of their parents' rows (STATES
+    [bs * k, hidden]) and their paths (their parents' LEVEL head slots, then their own, OWN [bs, >= k])."""
     b = tl.program_id(0)
     j = tl.arange(0, KK_PAD)
     valid = j < K * K
@@ -161,3 +163,77 @@ def select_nodes(candidates: dict, candidate_depth: torch.Tensor, limit: torch.T
         N1_PAD=triton.next_power_of_2(n + 1), DEPTH=depth,
     )
     return nodes
+
+
+@triton.jit
+def _accept_kernel(TOKENS, PARENT, DEPTHS, PATH, IN_TREE, SLOTS, BEST, FORCED, REAL_SLOTS, ROOTS, PACKED,
+                   LAST_PACKED, LAST_ROOT, SRC, DST, pad_slot, stride_real, stride_last, N1: tl.constexpr,
+                   N1_PAD: tl.constexpr, DEPTH: tl.constexpr, W_PAD: tl.constexpr, FORCE: tl.constexpr):
+    """One sequence of a greedy tree step: the accepted node (the deepest whose path the target chose all the
+    way; with FORCE, simulated: each node's first child, FORCED levels down), its path's tokens with the
+    target's own after them and the count, packed; and the slots its nodes' KV and taps move from and to."""
+    b = tl.program_id(0)
+    i = tl.arange(0, N1_PAD)
+    ok = i < N1
+    row = b * N1
+    token = tl.load(TOKENS + row + i, mask=ok, other=0)
+    parent = tl.load(PARENT + row + i, mask=ok, other=0)
+    depth = tl.load(DEPTHS + row + i, mask=ok, other=0)
+    in_tree = (tl.load(IN_TREE + row + i, mask=ok, other=0) != 0) & ok
+    best = tl.load(BEST + row + i, mask=ok, other=0)
+    is_parent = i[None, :] == parent[:, None]  # [node, its parent]
+    if FORCE:
+        is_child = (parent[None, :] == i[:, None]) & in_tree[None, :] & (i[None, :] > 0)  # [node, its child]
+        first_child = tl.min(tl.where(is_child, i[None, :], N1), axis=1)
+        forced = tl.load(FORCED + b)
+        leaf = forced * 0
+        for d in tl.static_range(DEPTH):
+            child = tl.sum(tl.where(i == leaf, first_child, 0), axis=0)
+            leaf = tl.where((child < N1) & (d < forced), child, leaf)
+    else:
+        matches = (token == tl.sum(tl.where(is_parent, best[None, :], 0), axis=1)) | (i == 0)
+        reachable = matches
+        for _ in tl.static_range(DEPTH):
+            reachable = matches & (tl.sum(tl.where(is_parent, reachable[None, :].to(tl.int32), 0), axis=1) > 0)
+        score = tl.where(reachable & in_tree, depth + 1, 0)
+        leaf = tl.min(tl.where(score == tl.max(score, axis=0), i, N1_PAD), axis=0)
+    after = tl.sum(tl.where(i == leaf, best, 0), axis=0)
+    accepted = tl.sum(tl.where(i == leaf, depth, 0), axis=0)
+    d = tl.arange(0, W_PAD)
+    on_path = d < DEPTH
+    path = tl.load(PATH + (row + leaf) * DEPTH + d, mask=on_path, other=0)
+    path_tokens = tl.sum(tl.where(i[None, :] == path[:, None], token[None, :], 0), axis=1)
+    packed = tl.where(on_path, path_tokens, 0)
+    packed = tl.where(d == accepted, after, packed)
+    packed = tl.where(d == DEPTH + 1, accepted, packed)
+    tl.store(PACKED + b * (DEPTH + 2) + d, packed, mask=d < DEPTH + 2)
+    tl.store(LAST_PACKED + b * stride_last + d, packed, mask=d < DEPTH + 2)
+    tl.store(LAST_ROOT + b, tl.load(ROOTS + b))
+    keep = on_path & (d < accepted)
+    src = tl.load(SLOTS + row + path, mask=keep, other=pad_slot)
+    dst = tl.load(REAL_SLOTS + b * stride_real + d, mask=keep, other=pad_slot)
+    tl.store(SRC + b * DEPTH + d, src, mask=on_path)
+    tl.store(DST + b * DEPTH + d, dst, mask=on_path)
+
+
+def accept_tree(nodes: dict, best: torch.Tensor, forced: torch.Tensor | None, real_slots: torch.Tensor,
+                pad_slot: int, roots: torch.Tensor, last_packed: torch.Tensor, last_root: torch.Tensor):
+    """A greedy tree step's `_leaf`, `_emit` and `_packed` (TreeGraphs), in one kernel: -> (packed [bs, depth + 2],
+    the slots the accepted nodes' KV and taps move from and to [bs, depth], the padding slot past them). Also
+    copies packed to last_packed[:bs] and roots [bs] to last_root[:bs]."""
+    tokens = nodes["tokens"]
+    bs, width = tokens.shape
+    depth = nodes["path"].shape[2]
+    for t in (tokens, nodes["parent"], nodes["depth"], nodes["path"], nodes["in_tree"], nodes["slots"], best):
+        assert t.is_contiguous()
+    assert real_slots.stride(1) == 1 and last_packed.stride(1) == 1 and roots.is_contiguous()
+    long = dict(dtype=torch.long, device=tokens.device)
+    packed = torch.empty(bs, depth + 2, **long)
+    src, dst = torch.empty(bs, depth, **long), torch.empty(bs, depth, **long)
+    _accept_kernel[(bs,)](
+        tokens, nodes["parent"], nodes["depth"], nodes["path"], nodes["in_tree"].view(torch.int8), nodes["slots"],
+        best, forced if forced is not None else roots, real_slots, roots, packed, last_packed, last_root, src, dst,
+        pad_slot, real_slots.stride(0), last_packed.stride(0), N1=width, N1_PAD=triton.next_power_of_2(width),
+        DEPTH=depth, W_PAD=triton.next_power_of_2(depth + 2), FORCE=forced is not None,
+    )
+    return packed, src, dst
