@@ -725,13 +725,13 @@ def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tm
 
 def _every_tile(rows: int, fp8: bool = False):
     """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
-    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, those for fp8 weights too."""
+    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, one row's for fp8 weights too."""
     from specserve.layers import triton_gemv
 
     if rows == 1:
         return triton_gemv.ONE_ROW_TILES + (triton_gemv.FP8_ONE_ROW_TILES if fp8 else [])
     return (triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
-            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []) + (triton_gemv.FP8_ROWS_TILES if fp8 else []))
+            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []))
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

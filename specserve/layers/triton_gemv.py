@@ -77,14 +77,10 @@ TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
 # One-row tiles for fp8 weights (a draft head's), which bring half the bytes a tile: these keep as many in flight as
 # the 16-bit ones above by reaching twice as far along K, and won on three of the 8B head's shapes on the H200
 # (4096 x 14336: 16.8 us against 20.2). Several-row tiles twice as long along K (16-128 x 256-512, swapped or not)
-# were timed there too and never won; they are not candidates.
+# were timed there too and never won; they are not candidates, nor are several-row tiles of 8 warps (16-64 x
+# 128-512, swapped or not), timed in a later version: none was chosen for a 4-row shape
+# (benchmarks/results/spec_bs1_256_fp8_rows_tiles_h200.json).
 FP8_ONE_ROW_TILES = [Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 4))]
-# Several-row tiles for fp8 weights with more warps a program. With the 4-warp tiles above, an fp8 weight 4096
-# wide ran at about half its copy rate at 4 rows: its loop has ~3x the instructions of a bf16 one (the weight is
-# read from shared memory by scalar loads and widened), and 128 programs of 4 warps leave one warp a scheduler to
-# hide their latency.
-FP8_ROWS_TILES = [Tile(16, 256, 8, 4), Tile(32, 256, 8, 4), Tile(32, 128, 8, 5), Tile(64, 128, 8, 4),
-                  Tile(32, 512, 8, 3), Tile(64, 256, 8, 3, swap=True), Tile(64, 128, 8, 5, swap=True)]
 TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") != "0"
 # fp8 weights widened by moving bits (_widen) on sm_90 on (its bf16x2 multiply needs one); SPECSERVE_GEMV_FP8_BITS=0
 # takes Triton's conversion (the A/B).
@@ -559,13 +555,12 @@ def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
 
 def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True, fp8: bool = False) -> list[Tile]:
     """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in; `gamma`: its
-    weight applied in the kernel; `fp8`: an fp8 weight, which also takes FP8_ONE_ROW_TILES or FP8_ROWS_TILES)."""
+    weight applied in the kernel; `fp8`: an fp8 weight, which at one row also takes FP8_ONE_ROW_TILES)."""
     if rows == 1:
         return ONE_ROW_TILES + (FP8_ONE_ROW_TILES if fp8 else [])
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
     tma = swapped and TMA_ON and TensorDescriptor is not None
-    extra = [t for t in FP8_ROWS_TILES if swapped or not t.swap] if fp8 else []
-    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else []) + extra
+    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:
