@@ -11,6 +11,8 @@
 # agreement: bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py).
 # fp8head: the draft head in fp8, its GPU tests and batch-1 chain and tree steps against the bf16 head, and the A/B
 # of how its GEMVs widen fp8 weights (SPECSERVE_GEMV_FP8_BITS).
+# treeforms: the tree step's attention tails as one block and its bookkeeping in Triton: their GPU tests, the A/B of
+# the step's parts (benchmarks/tree_step_forms.py), and batch-1 decode over 256 tokens with them on.
 # pending (only when named): the GPU tests and timings of what was written but has not run on a GPU yet.
 # candidates: A/B of SPECSERVE_NORM_IN_WEIGHTS (on by default), serving with a fresh descent's GEMV decisions
 # (SPECSERVE_GEMV_CHOICES; the H200's shipped ones by default), SPECSERVE_FUSED_TOPK (on by default) and
@@ -18,7 +20,7 @@
 # adaptsweep: the chain and tree sweeps with the adaptive draft plan on (--speculative-adaptive); chainadapt or
 # treeadapt: one of them.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep] [adaptsweep | chainadapt | treeadapt]
-#        [tax] [fp8head] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending]
+#        [tax] [fp8head] [treeforms] [profile] [smol] [gemv_ab] [candidates] [agreement] [idle] [timeline] [pending]
 #        (none: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,6 +109,14 @@ if want fp8head; then
     "EAGLE-3 chain 3, fp8 head, simulated tau 3" "EAGLE-3 tree top-4, 5 steps, 16 tokens, fp8 head, simulated tau 4" \
     --out "$OUT/spec_bs1_256_fp8_bits0_h200.json"
 fi
+if want treeforms; then
+  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "one_block or fused_tree or tree_program" 2>&1 \
+    | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_tree_forms.log"
+  python3 benchmarks/tree_step_forms.py --out "$OUT/tree_step_forms_h200.json"
+  python3 benchmarks/spec_off_tax.py --batch-sizes 1 --output-len 256 --setups plain \
+    "EAGLE-3 tree top-4, 5 steps, 16 tokens, fp8 head, simulated tau 4" "EAGLE-3 chain 3, fp8 head, simulated tau 3" \
+    "EAGLE-3 tree top-4, 5 steps, 16 tokens, simulated tau 4" --out "$OUT/spec_bs1_256_tree_forms_h200.json"
+fi
 if want profile; then
   python3 benchmarks/profile_gpu_step.py --out "$OUT/profile_gpu_step_h200.json" > "$OUT/profile.log" 2>&1
 fi
@@ -158,8 +168,8 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # Nothing is pending: the last ones (the fp8 widening test as revised after a review) passed on an H200
-  # (gpu_tests_fp8_widen_review_h200.log). Kept as the place for the next.
+  # Nothing is pending: the last ones (the tree's tails as one block, its bookkeeping and acceptance in Triton)
+  # passed on an H200 (gpu_tests_tree_accept_*_h200.log). Kept as the place for the next.
   python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "exact_values_for_every_code" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
 fi
