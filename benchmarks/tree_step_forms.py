@@ -11,8 +11,9 @@ acceptance).
 
 For each form, in turn and again, the drafting (head catch-up, search, selection), the verify and the whole step
 are captured in CUDA graphs and replayed back to back from the same state (a context of 600 tokens, the step's
-inputs restored), beside a plain decode step. Correctness is the GPU tests' (each form's tree program against
-`transformers`); this only times.
+inputs and what the step writes to the padding slot restored), beside a plain decode step. Each form's verify
+logits are compared with the first form's: the same tree, the same math (the attention's rounding may differ).
+Correctness is the GPU tests' (each form's tree program against `transformers`).
 
     python benchmarks/tree_step_forms.py --out benchmarks/results/tree_step_forms_h200.json
 """
@@ -39,16 +40,37 @@ FORMS = {"before: tails a block per row, bookkeeping in PyTorch": (False, False)
          "tails as one block, bookkeeping in Triton": (True, True)}
 
 
-def measure_form(engine, program, n: int, context: int, start: torch.Tensor, repeats: int, profile: bool) -> dict:
-    """Drafting, verify and whole-step device times of the program as it is set now, from one state (`start`: the
-    step's inputs, which its replays rewrite for the step after them)."""
+class StepState:
+    """What a step's replays change that the next one reads: its inputs (rewritten for the step after them), and
+    the padding slot, which the inputs left as allocated point at (the catch-up reads the head's taps there; the
+    moves of nodes not accepted write it in no fixed order)."""
+
+    def __init__(self, program) -> None:
+        pad = program.pad_slot
+        self.program, self.pad = program, pad
+        self.saved = [program._flat.clone(), program.kv_cache[:, :, pad].clone(),
+                      program.drafter.kv_cache[:, :, pad].clone(), program.drafter.taps[pad].clone()]
+
+    def restore(self, context: int) -> int:
+        program, pad = self.program, self.pad
+        inputs, target_kv, head_kv, taps = self.saved
+        program._flat.copy_(inputs)
+        program.kv_cache[:, :, pad] = target_kv
+        program.drafter.kv_cache[:, :, pad] = head_kv
+        program.drafter.taps[pad] = taps
+        return place_at_context(program, context)
+
+
+def measure_form(engine, program, n: int, context: int, state: StepState, repeats: int, profile: bool
+                 ) -> tuple[dict, torch.Tensor]:
+    """Drafting, verify and whole-step device times of the program as it is set now, from one state; and the
+    verify's logits from that state."""
 
     def place_at(program, context):
-        program._flat.copy_(start)
-        return place_at_context(program, context)
+        return state.restore(context)
     place_at(program, context)
     search, nodes = graphed(lambda: program._select(1, *program._search(1, n)))
-    verify, _ = graphed(lambda: program._verify_logits(1, n, nodes))
+    verify, logits = graphed(lambda: program._verify_logits(1, n, nodes))
     whole, _ = graphed(lambda: program._step(1, n, program.forced[:1]))
     place_at(program, context)  # the step's replays move the root on: back to the same state
     search()
@@ -59,7 +81,10 @@ def measure_form(engine, program, n: int, context: int, start: torch.Tensor, rep
     if profile:
         row["draft_critical_path_groups"] = kernel_groups(critical_path(search))
         row["verify_critical_path_groups"] = kernel_groups(critical_path(verify))
-    return row
+    place_at(program, context)
+    search()
+    verify()
+    return row, logits.float().clone()
 
 
 def main() -> None:
@@ -73,15 +98,18 @@ def main() -> None:
     program = engine.runner.spec_graphs
     if not program.fused:
         program._allocate_search(program.candidate_depth.numel())
-    results = []
+    results, reference = [], None
     with torch.inference_mode():
         n = place_at_context(program, args.context)
-        start = program._flat.clone()
+        state = StepState(program)
         for round_ in range(args.rounds):
             for name, (closed, fused) in FORMS.items():
                 triton_attention.CLOSED_TAILS, program.fused = closed, fused
-                row = {"form": name, "round": round_,
-                       **measure_form(engine, program, n, args.context, start, args.repeats, round_ == 0)}
+                row, logits = measure_form(engine, program, n, args.context, state, args.repeats, round_ == 0)
+                reference = logits if reference is None else reference
+                row = {"form": name, "round": round_, **row,
+                       "max_logit_diff_vs_first": round((logits - reference).abs().max().item(), 4),
+                       "argmax_agreement_vs_first": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()}
                 results.append(row)
                 print(row, flush=True)
     report = {"benchmark": "tree_step_forms", "unit": "ms of device time per replay", "hardware": hardware_info(),

@@ -159,26 +159,29 @@ from pathlib import Path
 path, head = Path({path!r}), Path({head!r})
 write_peaked_random_head(path, head)
 prompts = _prompts(512, seed=4)
-runs = []
-for fused in (True, False):
-    spec = SpecConfig("EAGLE3", str(head), num_steps=4, eagle_topk=3, num_draft_tokens=9)
-    engine, _ = build_engine_core(replace(_tight_config(str(path), 200), spec=spec), progress=False)
-    program = engine.runner.spec_graphs
-    if fused:
-        program.fused = True
-        program._allocate_search(program.candidate_depth.numel())
-    accepted = count_accepted(engine)
-    outputs, _ = run_staggered(engine, prompts)
-    assert program.num_runs > 10
-    runs.append((outputs, accepted))
-assert runs[0] == runs[1]
-assert runs[0][0] == _hf_greedy(path, prompts)
+expected = _hf_greedy(path, prompts)
+for tree in (dict(num_steps=4, eagle_topk=3, num_draft_tokens=9), dict(num_steps=1, eagle_topk=3, num_draft_tokens=4)):
+    runs = []
+    for fused in (True, False):
+        spec = SpecConfig("EAGLE3", str(head), **tree)
+        engine, _ = build_engine_core(replace(_tight_config(str(path), 200), spec=spec), progress=False)
+        program = engine.runner.spec_graphs
+        if fused:
+            program.fused = True
+            program._allocate_search(program.candidate_depth.numel())
+        accepted = count_accepted(engine)
+        outputs, _ = run_staggered(engine, prompts)
+        assert program.num_runs > 10
+        runs.append((outputs, accepted))
+    assert runs[0] == runs[1], tree
+    assert runs[0][0] == expected, tree
 """
 
 
 def test_tree_program_with_the_fused_search_in_the_interpreter_is_lossless(tiny_checkpoint, tmp_path):
-    # The tree program on the CPU with its search's bookkeeping and selection in the Triton kernels (run by the
-    # interpreter): HF's greedy output, and every step accepting what the PyTorch form's step accepts.
+    # The tree program on the CPU with its search's bookkeeping, selection and acceptance in the Triton kernels (run
+    # by the interpreter), five levels deep and one: HF's greedy output, and every step accepting what the PyTorch
+    # form's step accepts.
     path = tiny_checkpoint("llama", True)
     _run_in_interpreter(_FUSED_TREE_PROGRAM_IN_INTERPRETER.format(path=str(path), head=str(tmp_path)), timeout=900)
 

@@ -90,10 +90,10 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return top.values, top.indices
 
 
-def _fused_search_enabled() -> bool:
+def _fused_search_enabled(num_candidates: int) -> bool:
     from specserve.engine import triton_tree  # Triton: GPU machines only
 
-    return triton_tree.ENABLED
+    return triton_tree.ENABLED and num_candidates <= triton_tree.MAX_CANDIDATES
 
 
 def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
@@ -103,6 +103,7 @@ def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
 
 class TreeGraphs(SpecGraphs):
     fused = False  # the search's bookkeeping in Triton kernels (engine/triton_tree.py): on a GPU, by default
+
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, topk: int, num_steps: int,
                  num_drafts: int, pad_slot: int, target_scratch: int, head_scratch: int, max_bs: int,
                  max_context: int, page_size: int, simulate_accept_len: float | None, rng, capture: bool,
@@ -125,7 +126,7 @@ class TreeGraphs(SpecGraphs):
         # The tail length of every fed row at each level of the search (a level's rows hold `level` fed nodes).
         self.level_lens = torch.arange(self.depth, dtype=torch.int32, device=self.device)[:, None].repeat(
             1, self.max_bs * topk)
-        self.fused = self.device.type == "cuda" and _fused_search_enabled()
+        self.fused = self.device.type == "cuda" and _fused_search_enabled(sum(sizes))
         if self.fused:
             self._allocate_search(sum(sizes))
         if capture:
@@ -147,7 +148,8 @@ class TreeGraphs(SpecGraphs):
                           "paths": [torch.zeros(b * k, level + 1, **long) for level in range(depth)]}
                          for _ in range(2)]
         self.first_frontier = torch.arange(k, **long).repeat(b, 1)
-        self.first_path = self.head_scratch[:, :k].reshape(b * k, 1).clone()  # level 1's rows: their own slots
+        # Level 1's rows' paths: their own slots (a one-level tree feeds no rows; its head scratch is one slot).
+        self.first_path = self.head_scratch[:, :k].reshape(b * k, 1).clone() if depth > 1 else None
 
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
         b, w = self.max_bs, self.width
@@ -304,7 +306,8 @@ class TreeGraphs(SpecGraphs):
         candidates["tokens"][:, :k] = tokens
         candidates["scores"][:, :k] = values
         fed = {"tokens": tokens, "scores": values, "frontier": self.first_frontier[:bs],
-               "states": state.repeat_interleave(k, dim=0), "path": self.first_path[: bs * k]}
+               "states": state.repeat_interleave(k, dim=0),
+               "path": None if self.first_path is None else self.first_path[: bs * k]}
         fed_root = self.root_pos[:bs].repeat_interleave(k)
         fed_context = fed_root.to(torch.int32)
         fed_tables = self.tables[n][:bs].repeat_interleave(k, 0)

@@ -4,7 +4,7 @@ in one, and a greedy step's acceptance in one.
 In PyTorch (`TreeGraphs._search`, `_select`, `_leaf` and `_emit`: the CPU path and the reference), each level of
 the search makes its children's scores and target ids, sorts them to feed the k best to the next level and
 gathers their states, tokens and paths (~17 small kernels); keeping the N best candidates and laying them out as a
-tree (ranks, node numbers, parents, paths) takes ~35 more, and accepting a greedy step ~30. In a batch-1 graph on
+tree (ranks, node numbers, parents, paths) takes ~35 more, and accepting a greedy step ~40. In a batch-1 graph on
 an H200 each pays a launch's latency (~1.8 us). Here one program per sequence does a level, one the selection,
 and one the acceptance. Rankings compare every pair of candidates, so ties keep the earlier candidate, as a
 stable sort does.
@@ -19,11 +19,16 @@ import triton.language as tl
 
 # SPECSERVE_FUSED_SEARCH=0 is the A/B switch back to the PyTorch form on a GPU.
 ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
+# The rankings compare every pair of candidates in one program: searches with more candidates than this keep the
+# PyTorch form (the issue's top-4, 5-level tree has 68).
+MAX_CANDIDATES = 256
 
 
 @triton.jit
 def _ranks(score, index, valid):
-    """Each entry's place in (score descending, index ascending) order among the valid ones."""
+    """Each entry's place in (score descending, index ascending) order among the valid ones (NaN ranks as -inf,
+    so the places are a permutation)."""
+    score = tl.where(score != score, float("-inf"), score)
     tied_before = (score[None, :] == score[:, None]) & (index[None, :] < index[:, None])
     ahead = (score[None, :] > score[:, None]) | tied_before
     return tl.sum((ahead & valid[None, :]).to(tl.int32), axis=1)
@@ -82,8 +87,12 @@ def expand_level(values, indices, d2t, fed_scores, frontier, states, path, own, 
     [bs, k], states [bs * k, hidden], path [bs * k, level + 1])."""
     rows, k = values.shape
     bs = rows // k
-    assert states.is_contiguous() and path.is_contiguous() and fed_scores.stride(1) == 1
-    assert frontier.stride(1) == 1 and own.stride(1) == 1
+    for t in (values, indices, states, path) + ((d2t,) if d2t is not None else ()):
+        assert t.is_contiguous()
+    assert fed_scores.stride(1) == 1 and frontier.stride(1) == 1 and own.stride(1) == 1
+    assert all(t.stride(1) == 1 for t in candidates.values())
+    if not last:
+        assert all(out[name].is_contiguous() for name in ("tokens", "scores", "frontier", "states", "path"))
     hidden = states.shape[1]
     nxt = out if not last else {name: candidates["tokens"] for name in ("tokens", "scores", "frontier", "states",
                                                                        "path")}
@@ -227,6 +236,7 @@ def accept_tree(nodes: dict, best: torch.Tensor, forced: torch.Tensor | None, re
     for t in (tokens, nodes["parent"], nodes["depth"], nodes["path"], nodes["in_tree"], nodes["slots"], best):
         assert t.is_contiguous()
     assert real_slots.stride(1) == 1 and last_packed.stride(1) == 1 and roots.is_contiguous()
+    assert last_root.is_contiguous() and (forced is None or forced.is_contiguous())
     long = dict(dtype=torch.long, device=tokens.device)
     packed = torch.empty(bs, depth + 2, **long)
     src, dst = torch.empty(bs, depth, **long), torch.empty(bs, depth, **long)

@@ -24,9 +24,8 @@ from specserve.layers.triton_pdl import gdc_launch_dependents, gdc_wait
 # keep the smaller tile.
 ROW_TILE = (64, 4, 4)
 TREE_TILE = (32, 4, 3)
-# A verified tree's tails as one block (`closed_tails`): its 16-token verify at context 600 took 4.35 ms against
-# 4.48 with a block per row (benchmarks/tree_verify_attention.py). SPECSERVE_CLOSED_TAILS=0 is the A/B, read at
-# import.
+# A verified tree's tails as one block (`closed_tails`): its 16-token verify at context 600 took 4.29 ms against
+# 4.43 with a block per row (benchmarks/tree_step_forms.py). SPECSERVE_CLOSED_TAILS=0 is the A/B, read at import.
 CLOSED_TAILS = os.environ.get("SPECSERVE_CLOSED_TAILS", "1") != "0"
 
 
@@ -205,8 +204,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     keys, values = kv_cache[0], kv_cache[1]
     assert batch % rows_per_seq == 0
     closed = closed_tails and CLOSED_TAILS and tail_slots is not None
-    tail_width = 0 if tail_slots is None else tail_slots.shape[1]
-    tail_pad = 0 if tail_slots is None else max(16, triton.next_power_of_2(rows_per_seq if closed else tail_width))
+    assert not closed or rows_per_seq > 1, "a run's tails are closed only over a run of rows"
+    tail_width = tail_slots.shape[1] if closed else 0  # a constexpr of the closed form only (see above)
+    tail_pad = 0 if tail_slots is None else max(16, triton.next_power_of_2(rows_per_seq if closed else
+                                                                          tail_slots.shape[1]))
     if tail_slots is not None:  # the kernel steps through a row's tail with unit stride
         assert tail_slots.stride(1) == 1 and tail_lens.dtype == torch.int32
     else:  # unused pointers
