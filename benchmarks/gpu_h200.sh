@@ -110,7 +110,8 @@ if want fp8head; then
     --out "$OUT/spec_bs1_256_fp8_bits0_h200.json"
 fi
 if want treeforms; then
-  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "one_block or fused_tree or tree_program" 2>&1 \
+  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "one_block or fused_tree or tree_program or programs_sample_unseeded \
+    or eagle3_programs_with_an_fp8_head or following_rows or adaptive_plan or speculation_with_graphs" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_tree_forms.log"
   python3 benchmarks/tree_step_forms.py --out "$OUT/tree_step_forms_h200.json"
   python3 benchmarks/spec_off_tax.py --batch-sizes 1 --output-len 256 --setups plain \

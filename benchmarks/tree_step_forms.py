@@ -6,7 +6,7 @@ acceptance).
   and itself. Before, each row's tail was one block of the attention kernel, dealt over the context slices; with
   SPECSERVE_CLOSED_TAILS the tree's own slots are one block, each query row masked to those in its tail.
 - The search's bookkeeping between the head's passes, the selection of the tree and a greedy step's acceptance: in
-  PyTorch (~80 small kernels) or one Triton kernel a level, one for the selection and one for the acceptance
+  PyTorch (~130 small kernels) or one Triton kernel a level, one for the selection and one for the acceptance
   (SPECSERVE_FUSED_SEARCH).
 
 For each form, in turn and again, the drafting (head catch-up, search, selection), the verify and the whole step
