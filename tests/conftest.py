@@ -285,11 +285,24 @@ def _tree_candidates(bs: int, k: int, depth: int, generator: torch.Generator):
     return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
 
 
+def _tree_program(bs: int, k: int, depth: int, n: int):
+    """What TreeGraphs' PyTorch `_select`, `_leaf` and `_emit` read, for `bs` sequences of an n-node tree of top-k
+    over `depth` levels: limits that keep all, some and one of the N best, roots, and scratch and real slots."""
+    from types import SimpleNamespace
+
+    from specserve.engine.tree_graphs import candidate_depths
+
+    return SimpleNamespace(
+        num_drafts=n, device=torch.device("cpu"), depth=depth, fused=False, pad_slot=9999,
+        candidate_depth=candidate_depths(k, depth), limit=torch.tensor([n, n // 2, 1, n])[:bs],
+        root_ids=7 + torch.arange(bs), root_slots=70 + 10 * torch.arange(bs),
+        target_scratch=1000 + torch.arange(bs * n).view(bs, n),
+        real_slots=5000 + torch.arange(bs * depth).view(bs, depth))
+
+
 def check_tree_select(device: str) -> None:
     """triton_tree.select_nodes against TreeGraphs._select's PyTorch form: every output equal, with tied scores,
     and limits that keep all, some and one of the N best."""
-    from types import SimpleNamespace
-
     from specserve.engine import triton_tree
     from specserve.engine.tree_graphs import TreeGraphs
 
@@ -297,12 +310,7 @@ def check_tree_select(device: str) -> None:
     for k, depth, n in ((4, 5, 15), (2, 3, 5), (3, 4, 20), (4, 1, 3)):
         bs = 3
         tokens, parents, scores = _tree_candidates(bs, k, depth, generator)
-        sizes = [k] + [k * k] * (depth - 1)
-        program = SimpleNamespace(
-            num_drafts=n, device=torch.device("cpu"), depth=depth, fused=False,
-            candidate_depth=torch.cat([torch.full((c,), d + 1) for d, c in enumerate(sizes)]),
-            limit=torch.tensor([n, n // 2, 1]), root_ids=torch.tensor([7, 8, 9]), root_slots=torch.tensor([70, 80, 90]),
-            target_scratch=1000 + torch.arange(bs * n).view(bs, n))
+        program = _tree_program(bs, k, depth, n)
         expected = TreeGraphs._select(program, bs, tokens, parents, scores)
         on = {name: getattr(program, name).to(device)
               for name in ("candidate_depth", "limit", "root_ids", "root_slots", "target_scratch")}
@@ -316,23 +324,16 @@ def check_tree_select(device: str) -> None:
 def check_tree_accept(device: str) -> None:
     """triton_tree.accept_tree against TreeGraphs' PyTorch forms (`_leaf`, `_emit`, `_packed`, and the slots
     `_move_accepted` moves): greedy, with a path matched to a random depth in each tree, and forced (simulated)."""
-    from types import SimpleNamespace
-
     from specserve.engine import triton_tree
     from specserve.engine.chain_graphs import _packed
     from specserve.engine.tree_graphs import TreeGraphs
 
     generator = torch.Generator().manual_seed(5)
     for k, depth, n in ((4, 5, 15), (2, 3, 5), (3, 4, 20), (4, 1, 3)):
-        bs, pad = 4, 9999
+        bs = 4
         tokens, parents, scores = _tree_candidates(bs, k, depth, generator)
-        sizes = [k] + [k * k] * (depth - 1)
-        program = SimpleNamespace(
-            num_drafts=n, device=torch.device("cpu"), depth=depth, fused=False, pad_slot=pad,
-            candidate_depth=torch.cat([torch.full((c,), d + 1) for d, c in enumerate(sizes)]),
-            limit=torch.tensor([n, n // 2, 1, n]), root_ids=torch.tensor([7, 8, 9, 10]),
-            root_slots=torch.tensor([70, 80, 90, 100]), target_scratch=1000 + torch.arange(bs * n).view(bs, n),
-            real_slots=5000 + torch.arange(bs * depth).view(bs, depth))
+        program = _tree_program(bs, k, depth, n)
+        pad = program.pad_slot
         nodes = TreeGraphs._select(program, bs, tokens, parents, scores)
         best = torch.randint(0, 1000, (bs, n + 1), generator=generator)
         for b in range(bs):  # the target chooses the tokens on the way to a random node

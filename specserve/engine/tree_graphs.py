@@ -90,6 +90,12 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return top.values, top.indices
 
 
+def candidate_depths(topk: int, depth: int) -> torch.Tensor:
+    """The depth of every candidate of a search, in candidate order: k at depth 1, then k * k per level."""
+    sizes = [topk] + [topk * topk] * (depth - 1)
+    return torch.cat([torch.full((size,), d + 1) for d, size in enumerate(sizes)])
+
+
 def _fused_search_enabled(num_candidates: int) -> bool:
     from specserve.engine import triton_tree  # Triton: GPU machines only
 
@@ -120,15 +126,13 @@ class TreeGraphs(SpecGraphs):
             self.max_bs, num_drafts)
         self.head_scratch = head_scratch + torch.arange(self.max_bs * max(fed, 1), device=self.device).view(
             self.max_bs, max(fed, 1))
-        # Depth of every candidate: k at depth 1, then k * k per level.
-        sizes = [topk] + [topk * topk] * (self.depth - 1)
-        self.candidate_depth = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(sizes)]).to(self.device)
+        self.candidate_depth = candidate_depths(topk, self.depth).to(self.device)
         # The tail length of every fed row at each level of the search (a level's rows hold `level` fed nodes).
         self.level_lens = torch.arange(self.depth, dtype=torch.int32, device=self.device)[:, None].repeat(
             1, self.max_bs * topk)
-        self.fused = self.device.type == "cuda" and _fused_search_enabled(sum(sizes))
+        self.fused = self.device.type == "cuda" and _fused_search_enabled(self.candidate_depth.numel())
         if self.fused:
-            self._allocate_search(sum(sizes))
+            self._allocate_search(self.candidate_depth.numel())
         if capture:
             self._capture(progress, "capturing speculative tree graphs")
 
@@ -266,18 +270,12 @@ class TreeGraphs(SpecGraphs):
         fed_tokens, fed_scores = tokens[0], scores[0]
         fed_states = state[:, None, :].expand(bs, k, state.shape[-1])
         path = torch.empty(bs, k, 0, dtype=torch.long, device=self.device)  # head scratch slots of fed nodes' paths
-        # What every level's fed rows share, made once: each graph kernel costs a launch's latency.
-        fed_root = self.root_pos[:bs].repeat_interleave(k)
-        fed_context = fed_root.to(torch.int32)
-        fed_tables = self.tables[n][:bs].repeat_interleave(k, 0)
+        fed_rows = self._fed_rows(bs, n)
         for level in range(1, self.depth):
             own = self.head_scratch[:bs, (level - 1) * k: level * k]
             path = torch.cat([path, own[..., None]], dim=-1)
-            meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head_kv, path.reshape(bs * k, level),
-                                   self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
-            out = head(embedding, fed_states.reshape(bs * k, -1), fed_root + (level - 1), meta, drafter.kv_cache,
-                       fed_tokens.reshape(-1))
-            values, indices = log_softmax_topk(head.compute_logits(out), k)
+            out, values, indices = self._level_pass(bs, n, level, fed_rows, fed_states.reshape(bs * k, -1),
+                                                    fed_tokens.reshape(-1), path.reshape(bs * k, level))
             child_scores = (fed_scores[..., None] + values.view(bs, k, k)).view(bs, k * k)
             child_tokens = head.to_target_ids(indices).view(bs, k * k)
             tokens.append(child_tokens)
@@ -294,31 +292,43 @@ class TreeGraphs(SpecGraphs):
             path = path.gather(1, parent[..., None].expand(-1, -1, level))
         return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
 
+    def _fed_rows(self, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every level's fed rows share, made once (each graph kernel costs a launch's latency): their roots
+        [bs * k], the same as context lengths in int32, and their page tables."""
+        fed_root = self.root_pos[:bs].repeat_interleave(self.topk)
+        return fed_root, fed_root.to(torch.int32), self.tables[n][:bs].repeat_interleave(self.topk, 0)
+
+    def _level_pass(self, bs: int, n: int, level: int, fed_rows: tuple, states: torch.Tensor, tokens: torch.Tensor,
+                    path: torch.Tensor):
+        """The head over one level's fed rows (states [bs * k, H], tokens [bs * k], paths [bs * k, level] of head
+        scratch slots, the last their own) -> (its output [bs * k, H], each row's k best children: log-probs and
+        draft ids [bs * k, k])."""
+        head, k = self.head, self.topk
+        fed_root, fed_context, fed_tables = fed_rows
+        own = self.head_scratch[:bs, (level - 1) * k: level * k]
+        meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head.config.model.num_kv_heads, path,
+                               self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
+        out = head(self.target.embed_tokens.weight, states, fed_root + (level - 1), meta, self.drafter.kv_cache,
+                   tokens)
+        return (out, *log_softmax_topk(head.compute_logits(out), k))
+
     def _search_fused(self, bs: int, n: int, state: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor):
         """`_search` after the head's catch-up, with each level's bookkeeping in one kernel
         (triton_tree.expand_level); the same candidates, in static buffers."""
         from specserve.engine import triton_tree
 
-        head, k = self.head, self.topk
-        embedding = self.target.embed_tokens.weight
-        head_kv = head.config.model.num_kv_heads
+        k = self.topk
         candidates = {name: buffer[:bs] for name, buffer in self.candidates.items()}
         candidates["tokens"][:, :k] = tokens
         candidates["scores"][:, :k] = values
         fed = {"tokens": tokens, "scores": values, "frontier": self.first_frontier[:bs],
                "states": state.repeat_interleave(k, dim=0),
                "path": None if self.first_path is None else self.first_path[: bs * k]}
-        fed_root = self.root_pos[:bs].repeat_interleave(k)
-        fed_context = fed_root.to(torch.int32)
-        fed_tables = self.tables[n][:bs].repeat_interleave(k, 0)
-        d2t = getattr(head, "d2t", None)
+        fed_rows = self._fed_rows(bs, n)
+        d2t = getattr(self.head, "d2t", None)
         for level in range(1, self.depth):
-            own = self.head_scratch[:bs, (level - 1) * k: level * k]
-            meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head_kv, fed["path"],
-                                   self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
-            out = head(embedding, fed["states"], fed_root + (level - 1), meta, self.drafter.kv_cache,
-                       fed["tokens"].reshape(-1))
-            values, indices = log_softmax_topk(head.compute_logits(out), k)
+            out, values, indices = self._level_pass(bs, n, level, fed_rows, fed["states"], fed["tokens"].reshape(-1),
+                                                    fed["path"])
             last = level == self.depth - 1
             sets = self.fed_sets[level % 2]
             nxt = {name: sets[name][:bs] for name in ("tokens", "scores", "frontier")}
