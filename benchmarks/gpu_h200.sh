@@ -169,9 +169,9 @@ if want candidates; then
   done
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
-  # Nothing is pending: the last ones (the tree's tails as one block, its bookkeeping and acceptance in Triton)
-  # passed on an H200 (gpu_tests_tree_accept_*_h200.log). Kept as the place for the next.
-  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "exact_values_for_every_code" 2>&1 \
+  # The tree program's tests after its search's two forms came to share one head pass per level (host-side only;
+  # the forms passed on an H200 before it: gpu_tests_review_mends_tree_h200.log).
+  python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "fused_tree or tree_program or one_block" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
 fi
 if want agreement; then
