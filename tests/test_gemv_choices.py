@@ -15,7 +15,6 @@ DECISIONS = {
     ((28672, 4096), torch.bfloat16, 4, True, True, False): Tile(128, 64, 4, 5, swap=True),
     ((6144, 4096), torch.float16, 16, False, True, True): None,  # cuBLAS
     ((4096, 14336), torch.bfloat16, 1, False, False, False): Tile(4, 512, 8, 4),
-    ((4096, 14336), torch.float8_e4m3fn, 4, False, False, False): Tile(4, 512, 4, 3, fma=True),
 }
 
 

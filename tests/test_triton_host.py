@@ -27,18 +27,6 @@ def _run_in_interpreter(script: str, timeout: int) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-def test_chooser_takes_the_norm_apart_where_it_beats_every_folded_tile():
-    # None for a folded norm's call means: the norm as a kernel of its own, then the best form without it
-    # (Linear._forward_gpu), so the chooser returns None where that was timed faster than every folded tile.
-    from specserve.layers.triton_gemv import NORM_APART, Tile, pick
-
-    tiles = {"a": Tile(32, 256, 4, 4), "b": Tile(4, 512, 4, 3, fma=True)}
-    assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0, NORM_APART: 39.0}, tiles) is None
-    assert pick({"cublas": 90.0, "a": 55.0, "b": 38.0, NORM_APART: 39.0}, tiles) == tiles["b"]
-    assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0}, tiles) == tiles["b"]  # no unfolded tile to time
-    assert pick({"cublas": 40.0, "a": 55.0, NORM_APART: 45.0}, tiles) is None
-
-
 def test_several_row_gemvs_trigger_their_dependents_exactly_once():
     # A kernel launched with programmatic dependent launch must trigger once; with none, the next kernel waits
     # for this one to finish before it can even launch. The kernel triggers in its main loop where
@@ -84,8 +72,7 @@ from specserve.layers import triton_gemv
 triton_gemv.range = interpreter_range
 torch.manual_seed(0)
 for rows, tiles in ((1, triton_gemv.ONE_ROW_TILES[:1]),
-                    (3, [triton_gemv.ROWS_TILES[0], triton_gemv.SWAP_TILES[0], triton_gemv.TMA_TILES[0]]),
-                    (2, triton_gemv.FMA_TILES[:1]), (3, triton_gemv.FMA_TILES[1:2]), (4, triton_gemv.FMA_TILES[2:3])):
+                    (3, [triton_gemv.ROWS_TILES[0], triton_gemv.SWAP_TILES[0], triton_gemv.TMA_TILES[0]])):
     for out_features, width in ((96, 64), (100, 600)):
         weight = (torch.randn(out_features, width) / width**0.5).half()
         weight[1] = 0.0  # a row of zeros gets the smallest scale, not a division by zero
@@ -100,8 +87,7 @@ for rows, tiles in ((1, triton_gemv.ONE_ROW_TILES[:1]),
 
 def test_gemv_with_fp8_weights_in_the_interpreter_matches_the_dequantized_math():
     # One row on CUDA cores; several as a dot with the weight widened first (rows-left, swapped, and a TMA tile,
-    # which an fp8 weight runs with ordinary loads); two to four on CUDA cores too (FMA tiles: 2 rows, 3 padded to
-    # 4, and 4); the scales applied before the norm, SiLU and residual.
+    # which an fp8 weight runs with ordinary loads); the scales applied before the norm, SiLU and residual.
     _run_in_interpreter(_FP8_GEMV_IN_INTERPRETER, timeout=900)
 
 

@@ -31,7 +31,6 @@ class Tile:
     num_stages: int
     swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton_gemv._product)
     tma: bool = False  # with swap: the weight tiles come by TMA (see triton_gemv.TMA_TILES)
-    fma: bool = False  # up to 4 rows as FMAs on CUDA cores, not a dot (see triton_gemv.FMA_TILES)
 
 
 SHIPPED_DIR = Path(__file__).parent / "gemv_decisions"

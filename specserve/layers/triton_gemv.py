@@ -81,16 +81,7 @@ TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
 # 128-512, swapped or not), timed in a later version: none was chosen for a 4-row shape
 # (benchmarks/results/spec_bs1_256_fp8_rows_tiles_h200.json).
 FP8_ONE_ROW_TILES = [Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 4))]
-# Two to four rows of an fp8 weight the one-row way (_gemv_fma_kernel): each weight tile widened to fp32 once and
-# multiplied into every row by FMAs on CUDA cores. The dot of the tiles above pads the rows to 16 and, with one
-# block of 32-128 features a multiprocessor, runs about one warp per scheduler: on an H200 a 4-row GEMV of the 8B
-# head's 4096 x 14336 weight took 25 us against 17 for one row. These keep the one-row form's many small blocks.
-FMA_MAX_ROWS = 4
-FMA_TILES = [Tile(n, k, w, s, fma=True) for n, k, w, s in
-             ((2, 512, 4, 3), (4, 256, 4, 3), (4, 512, 4, 3), (4, 512, 8, 4), (8, 256, 4, 3), (8, 512, 8, 3))]
 TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") != "0"
-# SPECSERVE_GEMV_FMA_TILES=0 keeps FMA_TILES out of the chooser (the A/B).
-FMA_CANDIDATES = os.environ.get("SPECSERVE_GEMV_FMA_TILES", "1") != "0"
 # fp8 weights widened by moving bits (_widen) on sm_90 on (its bf16x2 multiply needs one); SPECSERVE_GEMV_FP8_BITS=0
 # takes Triton's conversion (the A/B).
 FP8_BITS = os.environ.get("SPECSERVE_GEMV_FP8_BITS", "1") != "0"
@@ -154,32 +145,25 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, st
         if trigger_k >= K:
             gdc_launch_dependents()
     if ONE_ROW:
-        _store_row(acc, acc_up, squares, OUT, RES, SCALE, n, n_ok, N, K, eps, GATE_UP, NORM, ADD, SCALED)
+        out = tl.sum(acc, 1)
+        if SCALED:
+            out = out * tl.load(SCALE + n, mask=n_ok, other=0.0)
+        if NORM:
+            scale = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+            out = out * scale
+        if GATE_UP:
+            up = tl.sum(acc_up, 1)
+            if SCALED:
+                up = up * tl.load(SCALE + N + n, mask=n_ok, other=0.0)
+            if NORM:
+                up = up * scale
+            out = _silu_times(out.to(OUT.dtype.element_ty), up.to(OUT.dtype.element_ty)).to(tl.float32)
+        if ADD:
+            out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
     else:
         _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps, SWAP,
                     GATE_UP, NORM, ADD, SCALED)
-
-
-@triton.jit
-def _store_row(acc, acc_up, squares, OUT, RES, SCALE, n, n_ok, N, K, eps, GATE_UP: tl.constexpr, NORM: tl.constexpr,
-               ADD: tl.constexpr, SCALED: tl.constexpr):
-    """A row's epilogue in the FMA forms: its products summed over the tile's columns, then as _store_rows."""
-    out = tl.sum(acc, 1)
-    if SCALED:
-        out = out * tl.load(SCALE + n, mask=n_ok, other=0.0)
-    if NORM:
-        scale = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-        out = out * scale
-    if GATE_UP:
-        up = tl.sum(acc_up, 1)
-        if SCALED:
-            up = up * tl.load(SCALE + N + n, mask=n_ok, other=0.0)
-        if NORM:
-            up = up * scale
-        out = _silu_times(out.to(OUT.dtype.element_ty), up.to(OUT.dtype.element_ty)).to(tl.float32)
-    if ADD:
-        out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -319,86 +303,6 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_fma_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
-                     ROWS: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr,
-                     ADD: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN: tl.constexpr, PDL: tl.constexpr):
-    """Two or four rows (ROWS; M of them real) the one-row way (FMA_TILES): each weight tile widened to fp32
-    once, then one FMA per row into that row's own accumulator, which has the weight tile's layout (a 3-d
-    [rows, BLOCK_N, BLOCK_K] accumulator compiled for sm_90 moved every weight tile through shared memory to
-    broadcast it). Rows past M are loaded as zeros and not stored."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    w_rows = W + n.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_rows + N * stride_wn
-    a0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    a1, a2, a3, u0, u1, u2, u3 = a0, a0, a0, a0, a0, a0, a0
-    s0 = tl.zeros([BLOCK_K], tl.float32)
-    s1, s2, s3 = s0, s0, s0
-    k = tl.arange(0, BLOCK_K)
-    w = _load_w(w_rows, k, n_ok, K, EVEN)
-    w_up = w
-    if GATE_UP:
-        w_up = _load_w(up_rows, k, n_ok, K, EVEN)
-    if PDL:  # the one-row form's launch: many small blocks, the next kernel let in at once
-        gdc_launch_dependents()
-        gdc_wait()
-    a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _fma_rows(
-        a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3, w, w_up, X, GAMMA, k, M, K, stride_xm, ROWS, GATE_UP, NORM,
-        GAMMA_ON)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(w_rows, k, n_ok, K, EVEN)
-        if GATE_UP:
-            w_up = _load_w(up_rows, k, n_ok, K, EVEN)
-        a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3 = _fma_rows(
-            a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3, w, w_up, X, GAMMA, k, M, K, stride_xm, ROWS, GATE_UP,
-            NORM, GAMMA_ON)
-    _store_row(a0, u0, s0, OUT, RES, SCALE, n, n_ok, N, K, eps, GATE_UP, NORM, ADD, SCALED)
-    _store_row(a1, u1, s1, OUT + stride_om, RES + stride_rm, SCALE, n, n_ok & (M > 1), N, K, eps, GATE_UP, NORM,
-               ADD, SCALED)
-    if ROWS > 2:
-        _store_row(a2, u2, s2, OUT + 2 * stride_om, RES + 2 * stride_rm, SCALE, n, n_ok & (M > 2), N, K, eps,
-                   GATE_UP, NORM, ADD, SCALED)
-        _store_row(a3, u3, s3, OUT + 3 * stride_om, RES + 3 * stride_rm, SCALE, n, n_ok & (M > 3), N, K, eps,
-                   GATE_UP, NORM, ADD, SCALED)
-
-
-@triton.jit
-def _fma_rows(a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3, w, w_up, X, GAMMA, k, M, K, stride_xm,
-              ROWS: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
-    """One step of _gemv_fma_kernel over columns k: the weight tiles widened once, then each row's step."""
-    wf = w.to(tl.float32)
-    wf_up = wf
-    if GATE_UP:
-        wf_up = w_up.to(tl.float32)
-    gamma = wf  # (unused without GAMMA_ON)
-    if GAMMA_ON:
-        gamma = tl.load(GAMMA + k, mask=k < K, other=0.0).to(tl.float32)
-    a0, u0, s0 = _fma_row(a0, u0, s0, wf, wf_up, gamma, X, k, 0, M, K, stride_xm, GATE_UP, NORM, GAMMA_ON)
-    a1, u1, s1 = _fma_row(a1, u1, s1, wf, wf_up, gamma, X, k, 1, M, K, stride_xm, GATE_UP, NORM, GAMMA_ON)
-    if ROWS > 2:
-        a2, u2, s2 = _fma_row(a2, u2, s2, wf, wf_up, gamma, X, k, 2, M, K, stride_xm, GATE_UP, NORM, GAMMA_ON)
-        a3, u3, s3 = _fma_row(a3, u3, s3, wf, wf_up, gamma, X, k, 3, M, K, stride_xm, GATE_UP, NORM, GAMMA_ON)
-    return a0, a1, a2, a3, u0, u1, u2, u3, s0, s1, s2, s3
-
-
-@triton.jit
-def _fma_row(acc, acc_up, squares, wf, wf_up, gamma, X, k, r, M, K, stride_xm, GATE_UP: tl.constexpr,
-             NORM: tl.constexpr, GAMMA_ON: tl.constexpr):
-    """Row r's step of _gemv_fma_kernel (its squares for a folded norm, then its products)."""
-    x = tl.load(X + r * stride_xm + k, mask=(k < K) & (r < M), other=0.0).to(tl.float32)
-    if NORM:
-        squares += x * x
-        if GAMMA_ON:
-            x = x * gamma
-    acc += wf * x[None, :]
-    if GATE_UP:
-        acc_up += wf_up * x[None, :]
-    return acc, acc_up, squares
-
-
-@triton.jit(do_not_specialize=["M"])
 def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, stride_rm, eps, ROWS: tl.constexpr,
                      GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -466,14 +370,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     form = dict(ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
                 ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
                 num_stages=tile.num_stages, **triton_pdl.launch_options(x))
-    if tile.fma and rows > 1:
-        if rows > FMA_MAX_ROWS:
-            raise ValueError(f"{tile} takes at most {FMA_MAX_ROWS} rows")
-        _gemv_fma_kernel[grid](x, weight, out, gamma, res, weight if scale is None else scale, rows, out_features,
-                               width, x.stride(0), weight.stride(0), out.stride(0), stride_rm, eps,
-                               **{**form, "ROWS": 2 if rows == 2 else 4}, SCALED=scale is not None,
-                               EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0)
-        return out
     if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight) and scale is None:
         _gemv_tma_kernel[grid](x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out, gamma, res,
                                rows, out_features, width, x.stride(0), out.stride(0), stride_rm, eps, **form)
@@ -546,10 +442,9 @@ NO_FILE = ("", "0", "none", "off")
 
 class Choice:
     """Per (weight shape, dtype, row bucket, gate/up form, RMSNorm folded or not, a folded norm's weight applied
-    in the kernel or already in the weight): the fastest Tile, or None where cuBLAS won (or, for a folded
-    norm, the norm apart did). Each candidate is timed as the call would run it: a call that folds a norm against
-    cuBLAS after a norm kernel and against the best unfolded form after one, the gate/up form against cuBLAS and
-    a SiLU-and-multiply kernel. A call during
+    in the kernel or already in the weight): the fastest Tile, or None
+    where cuBLAS won. Each candidate is timed as the call would run it: a call that folds a norm against cuBLAS
+    after a norm kernel, the gate/up form against cuBLAS and a SiLU-and-multiply kernel. A call during
     CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS there (the graphs' warm-up
     runs decide the shapes they use before capturing); so does one inside `untimed()`, which serving steps
     run in: timing clones the weight, captures a graph and synchronises, which no step should wait for
@@ -609,19 +504,12 @@ class Choice:
                 row["decisions_file"] = self.saved
             else:
                 row["cublas_us"] = round(t["cublas"], 2)
-                row["best_tile_us"] = round(min((v for n, v in t.items() if n not in ("cublas", NORM_APART)),
-                                                default=float("nan")), 2)
-                if NORM_APART in t:
-                    row["norm_apart_us"] = round(t[NORM_APART], 2)
+                row["best_tile_us"] = round(min((v for n, v in t.items() if n != "cublas"), default=float("nan")), 2)
             rows_out.append(row)
         return rows_out
 
     def _measure(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, gate_up: bool, norm: bool,
                  gamma: bool) -> Tile | None:
-        # A folded norm is also timed against the norm as a kernel of its own before the best form without it,
-        # which is what the call runs where no fold is chosen (Linear._forward_gpu): folded, x passes through
-        # registers to be scaled, and at 4 rows that cost the fp8 head's lm_head 55 us against 37 unfolded.
-        apart = self.tile(x, weight, gate_up) if norm else None
         copies = [weight] + [weight.clone() for _ in range(min(-(-256 * 2**20 // _nbytes(weight)), 400) - 1)]
         ones = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
         in_kernel = ones if gamma else None
@@ -633,11 +521,6 @@ class Choice:
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=in_kernel, eps=1e-5,
                                                         gate_up=gate_up, norm=norm, scale=scale))
                        for name, tile in tiles.items()}
-        if apart is not None:
-            from specserve.layers import pointwise
-
-            candidates[NORM_APART] = lambda w: gemv(pointwise.rms_norm(x, ones, 1e-5), w, apart, gate_up=gate_up,
-                                                    scale=scale)
         times = {}
         for name, fn in candidates.items():
             try:
@@ -656,36 +539,28 @@ def chooser_at_defaults() -> bool:
     weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and TMA_ON and FMA_CANDIDATES and FP8_BITS and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
+    return (SWAP_CANDIDATES and TMA_ON and FP8_BITS and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER and TRIGGER_AT == 1.0
             and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
-NORM_APART = "norm apart"  # a folded norm's call timed as a norm kernel, then the best form without the norm
-
-
 def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
-    """The fastest of `tiles` (by name) among those `times` holds, or None (cuBLAS, and a folded norm apart)
-    where none was timed, or cuBLAS ("cublas" in `times`) beats it by CUBLAS_MARGIN, or the norm apart
-    (NORM_APART) beats it."""
+    """The fastest of `tiles` (by name) among those `times` holds, or None (cuBLAS) where none was timed or
+    cuBLAS ("cublas" in `times`) beats it by CUBLAS_MARGIN."""
     timed = [name for name in times if name in tiles]
     if not timed:
         return None
     best = min(timed, key=times.get)
-    if times.get(NORM_APART, float("inf")) < times[best]:
-        return None
     return None if times["cublas"] * CUBLAS_MARGIN < times[best] else tiles[best]
 
 
 def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True, fp8: bool = False) -> list[Tile]:
     """The tiles the chooser times for a call of `rows` rows (`norm`: with a norm folded in; `gamma`: its
-    weight applied in the kernel; `fp8`: an fp8 weight, which at one row also takes FP8_ONE_ROW_TILES, and at two
-    to four FMA_TILES)."""
+    weight applied in the kernel; `fp8`: an fp8 weight, which at one row also takes FP8_ONE_ROW_TILES)."""
     if rows == 1:
         return ONE_ROW_TILES + (FP8_ONE_ROW_TILES if fp8 else [])
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
     tma = swapped and TMA_ON and TensorDescriptor is not None
-    fma = FMA_CANDIDATES and fp8 and rows <= FMA_MAX_ROWS
-    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else []) + (FMA_TILES if fma else [])
+    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
 
 
 def decide_all(module: torch.nn.Module) -> None:
