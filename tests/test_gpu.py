@@ -794,6 +794,7 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     # A fresh choice that always takes a tile: the tiny shapes may time faster in cuBLAS.
     monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
     monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
+    monkeypatch.setattr(triton_gemv, "NORM_APART_ON", False)  # nor the norm apart
     path = tiny_checkpoint("llama", True)
     prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.inference_mode():
@@ -975,6 +976,7 @@ def test_eagle3_head_logits_fold_its_norm_and_map_drafts_in_bf16(monkeypatch):
 
     monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
     monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
+    monkeypatch.setattr(triton_gemv, "NORM_APART_ON", False)
     cfg = ModelConfig("LlamaForCausalLM", 2000, 512, 1024, 1, 8, 2, 64, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config(cfg, 1000, 512, (0, 0, 0)), 256).cuda().to(torch.bfloat16)

@@ -27,6 +27,18 @@ def _run_in_interpreter(script: str, timeout: int) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_chooser_takes_the_norm_apart_where_it_beats_every_folded_tile():
+    # None for a folded norm's call means: the norm as a kernel of its own, then the best form without it
+    # (Linear._forward_gpu), so the chooser returns None where that was timed faster than every folded tile.
+    from specserve.layers.triton_gemv import NORM_APART, Tile, pick
+
+    tiles = {"a": Tile(32, 256, 4, 4), "b": Tile(64, 128, 4, 3)}
+    assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0, NORM_APART: 39.0}, tiles) is None
+    assert pick({"cublas": 90.0, "a": 55.0, "b": 38.0, NORM_APART: 39.0}, tiles) == tiles["b"]
+    assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0}, tiles) == tiles["b"]  # no unfolded tile was timed
+    assert pick({"cublas": 40.0, "a": 55.0, NORM_APART: 45.0}, tiles) is None
+
+
 def test_several_row_gemvs_trigger_their_dependents_exactly_once():
     # A kernel launched with programmatic dependent launch must trigger once; with none, the next kernel waits
     # for this one to finish before it can even launch. The kernel triggers in its main loop where
