@@ -170,7 +170,8 @@ if want candidates; then
 fi
 if [[ $modes == *" pending "* ]]; then  # not part of "all": what was changed but has not run on a GPU since
   # The tree program's tests after its search's two forms came to share one head pass per level (host-side only;
-  # the forms passed on an H200 before it: gpu_tests_review_mends_tree_h200.log).
+  # they have since passed on an H200: gpu_tests_pending_tree_program_h200.log, and the whole GPU suite with the
+  # chooser's norm-apart form: gpu_tests_norm_apart_all_h200.log).
   python3 -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider -k "fused_tree or tree_program or one_block" 2>&1 \
     | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests_pending.log"
 fi

@@ -430,6 +430,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 # cuBLAS must beat the best tile by this factor to be chosen: timed alone it may win by a hair, but in a step
 # it also breaks the chain of kernels launched early (PDL), which costs the next kernel its head start.
 CUBLAS_MARGIN = float(os.environ.get("SPECSERVE_GEMV_CUBLAS_MARGIN", "1.0"))
+NORM_APART = "norm apart"  # a folded norm's call timed as a norm kernel, then the best form without the norm
+# SPECSERVE_GEMV_NORM_APART=0: folds are timed against cuBLAS alone, as before (the A/B).
+NORM_APART_ON = os.environ.get("SPECSERVE_GEMV_NORM_APART", "1") != "0"
 # Decisions taken instead of timed (layers/gemv_choices.py); shapes they lack are timed as usual. Unset: those
 # shipped for this GPU, if any (for the H200, the 4-row decisions that verify_gemv_choices.py --descend chose by
 # the chain verify's own time, TMA tiles among them; the descent is too slow for every start; and an fp8 EAGLE-3
@@ -445,11 +448,10 @@ class Choice:
     in the kernel or already in the weight): the fastest Tile, or None where cuBLAS won (or, for a folded
     norm, the norm apart did). Each candidate is timed as the call would run it: a call that folds a norm against
     cuBLAS after a norm kernel and against the best unfolded form after one, the gate/up form against cuBLAS and
-    a SiLU-and-multiply kernel. A call during
-    CUDA-graph capture cannot time anything, so an undecided shape takes cuBLAS there (the graphs' warm-up
-    runs decide the shapes they use before capturing); so does one inside `untimed()`, which serving steps
-    run in: timing clones the weight, captures a graph and synchronises, which no step should wait for
-    (`decide_all` decides every shape at startup instead)."""
+    a SiLU-and-multiply kernel. A call during CUDA-graph capture cannot time anything, so an undecided shape takes
+    cuBLAS there (the graphs' warm-up runs decide the shapes they use before capturing); so does one inside
+    `untimed()`, which serving steps run in: timing clones the weight, captures a graph and synchronises, which
+    no step should wait for (`decide_all` decides every shape at startup instead)."""
 
     def __init__(self, saved: str | None = None) -> None:
         self.best: dict[tuple, Tile | None] = {}
@@ -554,11 +556,6 @@ def chooser_at_defaults() -> bool:
 
     return (SWAP_CANDIDATES and TMA_ON and NORM_APART_ON and FP8_BITS and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
             and TRIGGER_AT == 1.0 and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
-
-
-NORM_APART = "norm apart"  # a folded norm's call timed as a norm kernel, then the best form without the norm
-# SPECSERVE_GEMV_NORM_APART=0: folds are timed against cuBLAS alone, as before (the A/B).
-NORM_APART_ON = os.environ.get("SPECSERVE_GEMV_NORM_APART", "1") != "0"
 
 
 def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
