@@ -118,10 +118,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--setups", nargs="+", choices=["chain", "tree"], default=["chain", "tree"])
     p.add_argument("--kernels", action="store_true", help="also list each part's top kernels (torch.profiler)")
+    p.add_argument("--fp8-head", action="store_true", help="the head's projections in fp8 "
+                   "(--speculative-draft-model-quantization fp8)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     results = {}
-    setups = {"chain": ("chain 3 drafts", CHAIN), "tree": ("tree top-4, 5 steps, 16 tokens", TREE)}
+    quantization = "fp8" if args.fp8_head else None
+    setups = {"chain": ("chain 3 drafts", replace(CHAIN, draft_model_quantization=quantization)),
+              "tree": ("tree top-4, 5 steps, 16 tokens", replace(TREE, draft_model_quantization=quantization))}
     for name, spec in (setups[s] for s in args.setups):
         results[name] = measure(spec, args.context, args.repeats, args.kernels)
         print(name, {k: v for k, v in results[name].items()
@@ -130,7 +134,8 @@ def main() -> None:
 
     gemv = triton_gemv.choice.report()
     report = {"benchmark": "spec_step_parts", "unit": "ms of device time per replay", "hardware": hardware_info(),
-              "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head", "batch_size": 1},
+              "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head", "batch_size": 1,
+                           "acceptance": "simulated"},
               "results": results, "gemv_choices": gemv}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

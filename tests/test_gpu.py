@@ -637,7 +637,7 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 4, 16])
 def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
     """A Linear quantized to fp8 (a draft head's --speculative-draft-model-quantization fp8) computes with the
-    values it holds, e4m3 times a scale per row: every tile (the TMA ones by descriptor), plain and in
+    values it holds, e4m3 times a scale per row: every tile (the TMA ones with ordinary loads), plain and in
     the gate/up form, with a norm folded in and with a residual, then the chooser's pick through the Linear (in
     inference mode, as steps run: with autograd on it takes PyTorch's matmul), eagerly and in a CUDA graph."""
     from specserve.layers import triton_gemv, triton_pointwise

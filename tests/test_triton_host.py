@@ -99,7 +99,7 @@ for rows, tiles in ((1, triton_gemv.ONE_ROW_TILES[:1]),
 
 def test_gemv_with_fp8_weights_in_the_interpreter_matches_the_dequantized_math():
     # One row on CUDA cores; several as a dot with the weight widened first (rows-left, swapped, and a TMA tile,
-    # its fp8 tiles brought by a descriptor); the scales applied before the norm, SiLU and residual.
+    # which an fp8 weight runs with ordinary loads); the scales applied before the norm, SiLU and residual.
     _run_in_interpreter(_FP8_GEMV_IN_INTERPRETER, timeout=900)
 
 
@@ -265,8 +265,7 @@ for block_n, block_k, stages in ((64, 256, 4), (128, 128, 3)):
         form = dict(ROWS=16, GATE_UP=gate_up, NORM=True, GAMMA_ON=False, ADD=False, BLOCK_N=block_n,
                     BLOCK_K=block_k, PDL=True)
         descriptor = {**types, "W": f"tensordesc<bf16[{block_n},{block_k}]>"}
-        checks = {("TMA",): alloc_slots(triton_gemv._gemv_tma_kernel, descriptor,
-                                        {**form, "SCALED": False, "FP8_BITS": False}, stages)}
+        checks = {("TMA",): alloc_slots(triton_gemv._gemv_tma_kernel, descriptor, form, stages)}
         for even in (True, False):
             checks["pointer loads", even] = alloc_slots(
                 triton_gemv._gemv_kernel, types,

@@ -303,10 +303,9 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_om, stride_rm, eps, ROWS: tl.constexpr,
+def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, stride_rm, eps, ROWS: tl.constexpr,
                      GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr,
-                     SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     FP8_BITS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The swapped several-row form with the weight's tiles brought by TMA (W: the weight's descriptor, zeros
     past its edges). It waits for the kernel before it first and lets the next one launch after its loop (so
     TRIGGER_AT does not apply): loading the first tile before the wait, as _gemv_kernel does, made the chooser
@@ -326,11 +325,11 @@ def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_om
         else:
             w_up = w
         acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k0 + tl.arange(0, BLOCK_K), m,
-                                           M, K, stride_xm, False, True, GATE_UP, NORM, GAMMA_ON, FP8_BITS)
+                                           M, K, stride_xm, False, True, GATE_UP, NORM, GAMMA_ON, False)
     if PDL:
         gdc_launch_dependents()
-    _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n < N, M, N, K, stride_om, stride_rm, eps, True, GATE_UP,
-                NORM, ADD, SCALED)
+    _store_rows(acc, acc_up, squares, OUT, RES, RES, m, n, n < N, M, N, K, stride_om, stride_rm, eps, True, GATE_UP,
+                NORM, ADD, False)
 
 
 @triton.jit
@@ -369,19 +368,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     gamma = norm_weight if norm_weight is not None else weight
     res, stride_rm = (residual, residual.stride(0)) if residual is not None else (out, 0)
     form = dict(ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
-                ADD=residual is not None, SCALED=scale is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                FP8_BITS=FP8_BITS and x.is_cuda and _sm90_or_later(x.device.index), num_warps=tile.num_warps,
+                ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
                 num_stages=tile.num_stages, **triton_pdl.launch_options(x))
-    scale = weight if scale is None else scale
-    if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight):
+    if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight) and scale is None:
         _gemv_tma_kernel[grid](x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out, gamma, res,
-                               scale, rows, out_features, width, x.stride(0), out.stride(0), stride_rm, eps, **form)
+                               rows, out_features, width, x.stride(0), out.stride(0), stride_rm, eps, **form)
         return out
     _gemv_kernel[grid](
-        x, weight, out, gamma, res, scale, rows, out_features, width, x.stride(0), weight.stride(0), out.stride(0),
-        stride_rm, eps, _trigger_column(width, tile.block_k, TRIGGER_AT), ONE_ROW=rows == 1,
-        SWAP=tile.swap and rows > 1, EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0,
-        LATE_TRIGGER=LATE_TRIGGER, **form)
+        x, weight, out, gamma, res, weight if scale is None else scale, rows, out_features, width, x.stride(0),
+        weight.stride(0), out.stride(0), stride_rm, eps, _trigger_column(width, tile.block_k, TRIGGER_AT),
+        ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, SCALED=scale is not None,
+        EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
+        FP8_BITS=FP8_BITS and x.is_cuda and _sm90_or_later(x.device.index), **form)
     return out
 
 
@@ -526,9 +524,9 @@ class Choice:
         ones = torch.ones(x.shape[1], dtype=x.dtype, device=x.device) if norm else None
         in_kernel = ones if gamma else None
         scale = torch.ones(weight.shape[0], device=x.device) if weight.dtype == FP8 else None
-        # TMA tiles need a weight a descriptor can cover (else they would be timed as tiles with ordinary loads).
+        # TMA tiles need a 16-bit weight (else they would be timed as tiles with ordinary loads).
         tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma, scale is not None)
-                 if not tile.tma or _tma_ok(weight)}
+                 if not tile.tma or (_tma_ok(weight) and scale is None)}
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, ones, scale)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=in_kernel, eps=1e-5,
                                                         gate_up=gate_up, norm=norm, scale=scale))
