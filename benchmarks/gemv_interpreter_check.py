@@ -1,7 +1,7 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
 either norm form; and with an fp8 weight and its scales), at 1, 3 and 16 rows, rows-left and swapped tiles (with
-TMA loads and without), shapes that divide the tiles and shapes that do not, widths within one step of the main
+TMA loads and without; whole and split over K), shapes that divide the tiles and shapes that do not, widths within one step of the main
 loop and over several. For checking kernel changes on a machine without a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs
 `pip install triton` (its CPU wheel runs the interpreter). fp16: the interpreter's bf16 dot is wrong.
 
@@ -21,6 +21,7 @@ import sys
 import torch
 
 from specserve.layers import triton_gemv
+from specserve.layers.gemv_choices import Tile
 from specserve.layers.linear import quantize_fp8_rows
 
 # fp16 inputs and outputs, fp32 accumulation: one fp16 step is ~1e-3 of a value (0.004 at 4-8; the gate/up
@@ -73,6 +74,12 @@ def fp8_forms(x, weight, gamma, residual, tile):
         yield "fp8, gate/up, norm", gemv(gamma, 1e-5, gate_up=True), torch.nn.functional.silu(gate) * up
 
 
+# Split tiles at interpreter sizes (the shipped ones are 128-256 wide along K): rows-left, swapped, and TMA, in two
+# and three splits, the last with a shorter slice at width 600.
+SPLIT_TILES = [Tile(32, 64, 4, 3, split_k=2), Tile(64, 64, 4, 3, swap=True, split_k=3),
+               Tile(64, 64, 4, 3, swap=True, tma=True, split_k=2)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -84,13 +91,13 @@ def main() -> None:
     for rows in (1, 3, 16):
         tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
             triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3],
-            *triton_gemv.TMA_TILES]
+            *triton_gemv.TMA_TILES, *SPLIT_TILES]
         for out_features, width in ((96, 64), (128, 512), (100, 600)):
             weight = (torch.randn(out_features, width) / width**0.5).half()
             x = (torch.randn(rows, width) * 5).half()
             gamma = (torch.rand(width) + 0.5).half()
             residual = torch.randn(rows, out_features).half()
-            for tile in tiles:
+            for tile in (t for t in tiles if triton_gemv.split_fits(width, t)):
                 checked = [*forms(x, weight, gamma, residual, tile), *fp8_forms(x, weight, gamma, residual, tile)]
                 for form, out, reference in checked:
                     error = (out.float() - reference).abs()

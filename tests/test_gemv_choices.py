@@ -15,7 +15,19 @@ DECISIONS = {
     ((28672, 4096), torch.bfloat16, 4, True, True, False): Tile(128, 64, 4, 5, swap=True),
     ((6144, 4096), torch.float16, 16, False, True, True): None,  # cuBLAS
     ((4096, 14336), torch.bfloat16, 1, False, False, False): Tile(4, 512, 8, 4),
+    ((4096, 14336), torch.float8_e4m3fn, 4, False, False, False): Tile(32, 256, 4, 4, split_k=4),
 }
+
+
+def test_decisions_saved_before_tiles_could_split_read_as_unsplit(tmp_path):
+    path = tmp_path / "choices.json"
+    gemv_choices.save(DECISIONS, path, "NVIDIA H200")
+    record = json.loads(path.read_text())
+    for entry in record["decisions"]:
+        if entry["tile"] is not None:
+            entry["tile"].pop("split_k")
+    path.write_text(json.dumps(record))
+    assert {tile.split_k for tile in gemv_choices.load(path, "NVIDIA H200").values() if tile} == {1}
 
 
 def test_decisions_survive_a_round_trip(tmp_path):

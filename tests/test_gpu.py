@@ -612,7 +612,7 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
     reference = x.float() @ weight.float().T
     gated_reference = triton_pointwise.silu_and_mul((x @ weight.T)).float()
     gated_tiles = 0
-    for tile in _every_tile(rows):
+    for tile in _every_tile(rows, shape[1]):
         torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
         gated = _gate_up_or_none(x, weight, tile)
         if gated is not None:
@@ -625,7 +625,7 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
         assert triton_gemv._tma_ok(weight), "the TMA tiles above ran with ordinary loads"
     if rows > 1:  # results only: they cannot show where the trigger fell (tests/test_triton_host.py does)
         monkeypatch.setattr(triton_gemv, "TRIGGER_AT", 0.5)
-        for tile in _every_tile(rows):
+        for tile in _every_tile(rows, shape[1]):
             torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
         monkeypatch.undo()
     choice = triton_gemv.Choice()  # no decisions file: the shipped ones hold some of these shapes untimed
@@ -657,7 +657,7 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
         reference = x.float() @ values.T
         gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
         scale = linear.weight_scale
-        for tile in _every_tile(rows, fp8=True):
+        for tile in _every_tile(rows, in_features, fp8=True):
             out = triton_gemv.gemv(x, linear.weight, tile, scale=scale)
             torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
             added = triton_gemv.gemv(x, linear.weight, tile, residual=residual, scale=scale)
@@ -699,10 +699,10 @@ def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype, bits, mon
     scale = torch.ones(256, device="cuda")
     columns = torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 130, 131, 257, 258, 384, 509, 510, 511], device="cuda")
     x = torch.nn.functional.one_hot(columns, 512).to(dtype)
-    for tile in _every_tile(16):
+    for tile in _every_tile(16, 512):
         out = triton_gemv.gemv(x, weight, tile, scale=scale).float()
         assert torch.equal(out, values[:, columns].T), tile
-    for tile in _every_tile(1, fp8=True):  # one row: Triton's conversion either way
+    for tile in _every_tile(1, 512, fp8=True):  # one row: Triton's conversion either way
         out = triton_gemv.gemv(x[1:2], weight, tile, scale=scale).float()
         assert torch.equal(out, values[:, columns[1:2]].T), tile
 
@@ -723,15 +723,17 @@ def test_eagle3_programs_with_an_fp8_head_match_transformers(tiny_checkpoint, tm
         assert outputs == _hf_greedy(path, prompts, "cuda")
 
 
-def _every_tile(rows: int, fp8: bool = False):
-    """Every tile the kernel takes for `rows`, whether the chooser times it for every form or not; the TMA tiles
-    where they are on (SPECSERVE_GEMV_TMA, on by default); with `fp8`, one row's for fp8 weights too."""
+def _every_tile(rows: int, width: int, fp8: bool = False):
+    """Every tile the kernel takes for `rows` of a `width`-wide weight, whether the chooser times it for every
+    form or not; the TMA tiles where they are on (SPECSERVE_GEMV_TMA, on by default), and the split ones whose
+    splits all get columns; with `fp8`, one row's for fp8 weights too."""
     from specserve.layers import triton_gemv
 
     if rows == 1:
         return triton_gemv.ONE_ROW_TILES + (triton_gemv.FP8_ONE_ROW_TILES if fp8 else [])
-    return (triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES
-            + (triton_gemv.TMA_TILES if triton_gemv.TMA_ON else []))
+    tma = triton_gemv.TMA_TILES + triton_gemv.SPLIT_TMA_TILES if triton_gemv.TMA_ON else []
+    tiles = triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.SPLIT_ROWS_TILES + tma
+    return [tile for tile in tiles if triton_gemv.split_fits(width, tile)]
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):
@@ -765,7 +767,7 @@ def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     reference = normed @ weight.float().T
     gated_reference = triton_pointwise.silu_and_mul(reference.to(torch.bfloat16)).float()
     moved = (weight.float() * gamma.float()).to(torch.bfloat16)
-    for tile in _every_tile(rows):
+    for tile in _every_tile(rows, shape[1]):
         folded = triton_gemv.gemv(x, weight, tile, norm_weight=gamma, eps=1e-5)
         torch.testing.assert_close(folded.float(), reference, atol=2e-2, rtol=2e-2)
         added = triton_gemv.gemv(x, weight, tile, residual=residual)

@@ -103,6 +103,32 @@ def test_gemv_with_fp8_weights_in_the_interpreter_matches_the_dequantized_math()
     _run_in_interpreter(_FP8_GEMV_IN_INTERPRETER, timeout=900)
 
 
+_SPLIT_GEMV_IN_INTERPRETER = """
+from gemv_interpreter_check import ATOL, RTOL, SPLIT_TILES, forms, fp8_forms, interpreter_range
+from specserve.layers import triton_gemv
+triton_gemv.range = interpreter_range
+torch.manual_seed(0)
+for rows in (3, 16):
+    for out_features, width in ((96, 256), (100, 600)):
+        weight = (torch.randn(out_features, width) / width**0.5).half()
+        x = (torch.randn(rows, width) * 5).half()
+        gamma, residual = (torch.rand(width) + 0.5).half(), torch.randn(rows, out_features).half()
+        for tile in [t for t in SPLIT_TILES if triton_gemv.split_fits(width, t)]:
+            for checks in (forms, fp8_forms):
+                for call in range(2):  # the counts are back at zero for the next call
+                    for form, out, reference in checks(x, weight, gamma, residual, tile):
+                        error = (out.float() - reference).abs()
+                        assert (error <= ATOL + RTOL * reference.abs()).all(), (rows, tile, form, call, error.max())
+        assert not triton_gemv._counters[x.device].any()
+"""
+
+
+def test_gemv_split_over_k_in_the_interpreter_matches_the_unsplit_math():
+    # Every form (norm folds, gate/up, residual, fp8 scales), rows-left, swapped and TMA tiles, in two and three
+    # splits (the last one shorter at width 600), each twice: the last program in resets its tile's count.
+    _run_in_interpreter(_SPLIT_GEMV_IN_INTERPRETER, timeout=900)
+
+
 _TAILS_IN_INTERPRETER = """
 from conftest import check_tail_attention
 from gemv_interpreter_check import interpreter_range

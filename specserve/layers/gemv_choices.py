@@ -31,6 +31,7 @@ class Tile:
     num_stages: int
     swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton_gemv._product)
     tma: bool = False  # with swap: the weight tiles come by TMA (see triton_gemv.TMA_TILES)
+    split_k: int = 1  # several rows: programs per output tile, each over a slice of K (see triton_gemv.SPLIT_TILES)
 
 
 SHIPPED_DIR = Path(__file__).parent / "gemv_decisions"

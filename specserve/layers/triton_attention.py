@@ -158,8 +158,9 @@ def _merge_kernel(PART, LSE, OUT, stride_pb, stride_ph, stride_ps, stride_lb, st
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=s < SPLITS, other=float("-inf"))
     weights = tl.exp(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
+    # Slices past the context (its bucket's last ones) hold nothing: not read.
     part = tl.load(PART + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=(s < SPLITS)[:, None], other=0.0)
+                   mask=((s < SPLITS) & (lse > float("-inf")))[:, None], other=0.0)
     out = tl.sum(part * weights[:, None], 0)
     tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
 

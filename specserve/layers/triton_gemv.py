@@ -19,6 +19,7 @@ import functools
 import math
 import os
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +83,14 @@ TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
 # (benchmarks/results/spec_bs1_256_fp8_rows_tiles_h200.json).
 FP8_ONE_ROW_TILES = [Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 4))]
 TMA_ON = os.environ.get("SPECSERVE_GEMV_TMA", "1") != "0"
+# Split over K (_store_split): each output tile's row slice reduced by `split_k` programs, the last one in adding
+# up their partial sums. Unsplit, a weight of few output tiles leaves SMs idle or unevenly loaded (an H200 has 132:
+# a 4096 x 4096 weight in 64-wide tiles is 64 programs; a 6144-wide one in 32-wide tiles, 192, a wave and a half),
+# and each program streams a whole row; split, there are more, shorter programs. SPECSERVE_GEMV_SPLIT=0 keeps them
+# out of the chooser (the A/B).
+SPLIT_ON = os.environ.get("SPECSERVE_GEMV_SPLIT", "1") != "0"
+SPLIT_ROWS_TILES = [replace(t, split_k=s) for t in (Tile(32, 256, 4, 4), Tile(64, 128, 4, 4)) for s in (2, 4)]
+SPLIT_TMA_TILES = [replace(t, split_k=s) for t in (TMA_TILES[0], TMA_TILES[2], TMA_TILES[4]) for s in (2, 4)]
 # fp8 weights widened by moving bits (_widen) on sm_90 on (its bf16x2 multiply needs one); SPECSERVE_GEMV_FP8_BITS=0
 # takes Triton's conversion (the A/B).
 FP8_BITS = os.environ.get("SPECSERVE_GEMV_FP8_BITS", "1") != "0"
@@ -98,11 +107,11 @@ SWAP_IN_FOLDS = False
 
 # Eager calls take any row count (one form for one row, one for several); where the trigger falls is a value.
 @triton.jit(do_not_specialize=["M", "trigger_k"])
-def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps, trigger_k,
-                 ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr, GATE_UP: tl.constexpr,
-                 NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
-                 LATE_TRIGGER: tl.constexpr, FP8_BITS: tl.constexpr):
+def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, WS, COUNTERS, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+                 stride_rm, eps, trigger_k, ROWS: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr,
+                 GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr,
+                 SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr, FP8_BITS: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = W + n.to(tl.int64)[:, None] * stride_wn
@@ -118,8 +127,9 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, st
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
     acc_up = acc
+    k_start, k_end = _columns(K, K_SPLIT, SPLIT)
     # The first weight tile does not depend on the kernel before: it is read while that one finishes.
-    k = tl.arange(0, BLOCK_K)
+    k = k_start + tl.arange(0, BLOCK_K)
     w = _load_w(w_rows, k, n_ok, K, EVEN)
     if GATE_UP:
         w_up = _load_w(up_rows, k, n_ok, K, EVEN)
@@ -131,7 +141,7 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, st
         gdc_wait()
     acc, acc_up, squares = _accumulate(acc, acc_up, squares, w, w_up, X, GAMMA, k, m, M, K, stride_xm, ONE_ROW,
                                        SWAP, GATE_UP, NORM, GAMMA_ON, FP8_BITS)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = _load_w(w_rows, k, n_ok, K, EVEN)
         if GATE_UP:
@@ -161,9 +171,63 @@ def _gemv_kernel(X, W, OUT, GAMMA, RES, SCALE, M, N, K, stride_xm, stride_wn, st
         if ADD:
             out += tl.load(RES + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(OUT + n, out.to(OUT.dtype.element_ty), mask=n_ok)
+    elif SPLIT > 1:
+        _store_split(acc, acc_up, squares, WS, COUNTERS, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm,
+                     eps, SWAP, GATE_UP, NORM, ADD, SCALED, SPLIT, ROWS, BLOCK_N)
     else:
         _store_rows(acc, acc_up, squares, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps, SWAP,
                     GATE_UP, NORM, ADD, SCALED)
+
+
+@triton.jit
+def _columns(K, K_SPLIT, SPLIT: tl.constexpr):
+    """The columns [start, end) of K this program reduces over: all of them, or its split's slice."""
+    if SPLIT > 1:
+        start = tl.program_id(1) * K_SPLIT
+        end = tl.minimum(start + K_SPLIT, K)
+    else:
+        start = 0
+        end = K
+    return start, end
+
+
+@triton.jit
+def _store_split(acc, acc_up, squares, WS, COUNTERS, OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps,
+                 SWAP: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+                 SCALED: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A split tile's end: each of its SPLIT programs leaves its partial sums (and a folded norm's partial sums
+    of squares) in WS and counts itself in at COUNTERS[tile]; the last one in adds them up, runs the epilogue,
+    and sets the count back to zero for the next call. One launch, where cuBLAS's split-K takes a second
+    kernel for the reduction."""
+    if SWAP:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
+    tile = tl.program_id(0)
+    parts = 2 if GATE_UP else 1
+    record = parts * ROWS * BLOCK_N + ROWS  # one program's partial sums: acc, acc_up, the row sums of squares
+    cell = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mine = WS + (tl.program_id(1) * tl.num_programs(0) + tile).to(tl.int64) * record
+    tl.store(mine + cell, acc)
+    if GATE_UP:
+        tl.store(mine + ROWS * BLOCK_N + cell, acc_up)
+    if NORM:
+        tl.store(mine + parts * ROWS * BLOCK_N + m, tl.sum(squares, 1))
+    tl.debug_barrier()  # every thread's partial stored before the count's release makes them visible
+    if tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        acc_up = acc
+        row_squares = tl.zeros([ROWS], tl.float32)
+        for split in tl.static_range(SPLIT):
+            part = WS + (split * tl.num_programs(0) + tile).to(tl.int64) * record
+            # (through L2: another SM wrote them, and this one's L1 may hold a line of an earlier call)
+            acc += tl.load(part + cell, cache_modifier=".cg")
+            if GATE_UP:
+                acc_up += tl.load(part + ROWS * BLOCK_N + cell, cache_modifier=".cg")
+            if NORM:
+                row_squares += tl.load(part + parts * ROWS * BLOCK_N + m, cache_modifier=".cg")
+        tl.store(COUNTERS + tile, 0)
+        _store_rows(acc, acc_up, row_squares[:, None], OUT, RES, SCALE, m, n, n_ok, M, N, K, stride_om, stride_rm, eps,
+                    False, GATE_UP, NORM, ADD, SCALED)
 
 
 @triton.jit
@@ -303,9 +367,10 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, stride_rm, eps, ROWS: tl.constexpr,
-                     GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr, ADD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, WS, COUNTERS, M, N, K, K_SPLIT, stride_xm, stride_om, stride_rm, eps,
+                     ROWS: tl.constexpr, GATE_UP: tl.constexpr, NORM: tl.constexpr, GAMMA_ON: tl.constexpr,
+                     ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                     PDL: tl.constexpr):
     """The swapped several-row form with the weight's tiles brought by TMA (W: the weight's descriptor, zeros
     past its edges). It waits for the kernel before it first and lets the next one launch after its loop (so
     TRIGGER_AT does not apply): loading the first tile before the wait, as _gemv_kernel does, made the chooser
@@ -316,9 +381,10 @@ def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, strid
     acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
     acc_up = acc
     squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    k_start, k_end = _columns(K, K_SPLIT, SPLIT)
     if PDL:
         gdc_wait()
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         w = W.load([n0, k0])
         if GATE_UP:  # W holds [gate; up], 2N rows; each program takes both halves
             w_up = W.load([N + n0, k0])
@@ -328,8 +394,12 @@ def _gemv_tma_kernel(X, W, OUT, GAMMA, RES, M, N, K, stride_xm, stride_om, strid
                                            M, K, stride_xm, False, True, GATE_UP, NORM, GAMMA_ON, False)
     if PDL:
         gdc_launch_dependents()
-    _store_rows(acc, acc_up, squares, OUT, RES, RES, m, n, n < N, M, N, K, stride_om, stride_rm, eps, True, GATE_UP,
-                NORM, ADD, False)
+    if SPLIT > 1:
+        _store_split(acc, acc_up, squares, WS, COUNTERS, OUT, RES, RES, m, n, n < N, M, N, K, stride_om, stride_rm, eps,
+                     True, GATE_UP, NORM, ADD, False, SPLIT, ROWS, BLOCK_N)
+    else:
+        _store_rows(acc, acc_up, squares, OUT, RES, RES, m, n, n < N, M, N, K, stride_om, stride_rm, eps, True,
+                    GATE_UP, NORM, ADD, False)
 
 
 @triton.jit
@@ -363,24 +433,64 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile, norm_weight: torch.T
     if residual is not None and (residual.shape != (rows, out_features) or residual.stride(1) != 1):
         raise ValueError("the residual must be [rows, out_features] with unit stride")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(out_features, tile.block_n),)
+    tiles = triton.cdiv(out_features, tile.block_n)
+    split = tile.split_k if rows > 1 else 1
+    if split > 1 and not split_fits(width, tile):
+        raise ValueError(f"{tile} leaves a split without columns of a {width}-wide weight")
+    grid = (tiles, split)
     # Absent tensors are passed as some other tensor of the call, which the constexprs keep the kernels from reading.
     gamma = norm_weight if norm_weight is not None else weight
     res, stride_rm = (residual, residual.stride(0)) if residual is not None else (out, 0)
+    ws, counters = _split_buffers(tiles, split, tile.block_n, gate_up, x.device) if split > 1 else (out, out)
+    k_split = _split_columns(width, tile.block_k, split)
     form = dict(ROWS=MAX_ROWS, GATE_UP=gate_up, NORM=norm or norm_weight is not None, GAMMA_ON=norm_weight is not None,
-                ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-                num_stages=tile.num_stages, **triton_pdl.launch_options(x))
+                ADD=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT=split,
+                num_warps=tile.num_warps, num_stages=tile.num_stages, **triton_pdl.launch_options(x))
     if tile.tma and TMA_ON and rows > 1 and _tma_ok(weight) and scale is None:
         _gemv_tma_kernel[grid](x, TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]), out, gamma, res,
-                               rows, out_features, width, x.stride(0), out.stride(0), stride_rm, eps, **form)
+                               ws, counters, rows, out_features, width, k_split, x.stride(0), out.stride(0), stride_rm,
+                               eps, **form)
         return out
+    # A split tile lets the next kernel launch after its loop: its trigger column is a whole row's.
+    trigger = _trigger_column(width, tile.block_k, TRIGGER_AT) if split == 1 else width
     _gemv_kernel[grid](
-        x, weight, out, gamma, res, weight if scale is None else scale, rows, out_features, width, x.stride(0),
-        weight.stride(0), out.stride(0), stride_rm, eps, _trigger_column(width, tile.block_k, TRIGGER_AT),
+        x, weight, out, gamma, res, weight if scale is None else scale, ws, counters, rows, out_features, width,
+        k_split, x.stride(0), weight.stride(0), out.stride(0), stride_rm, eps, trigger,
         ONE_ROW=rows == 1, SWAP=tile.swap and rows > 1, SCALED=scale is not None,
         EVEN=width % tile.block_k == 0 and out_features % tile.block_n == 0, LATE_TRIGGER=LATE_TRIGGER,
         FP8_BITS=FP8_BITS and x.is_cuda and _sm90_or_later(x.device.index), **form)
     return out
+
+
+def split_fits(width: int, tile: Tile) -> bool:
+    """Whether each of the tile's splits gets columns of a `width`-wide weight (its first tile is loaded
+    unmasked)."""
+    return (tile.split_k - 1) * _split_columns(width, tile.block_k, tile.split_k) < width
+
+
+def _split_columns(width: int, block_k: int, split: int) -> int:
+    """Columns a split reduces over: whole BLOCK_K steps, shared as evenly as they go."""
+    return triton.cdiv(triton.cdiv(width, block_k), split) * block_k
+
+
+# Where the programs of split tiles count themselves in: zeros, and zeros again after every call (its last
+# program resets its tile's count). One array per GPU, made outside any CUDA graph capture: calls on one GPU run
+# one after another (one stream; PDL's wait keeps a kernel's counts from the next kernel's).
+SPLIT_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_buffers(tiles: int, split: int, block_n: int, gate_up: bool, device: torch.device):
+    """The partial sums' workspace of one call (fp32: split x tiles records of _store_split's layout) and the
+    GPU's counters."""
+    if tiles > SPLIT_COUNTERS:
+        raise ValueError(f"a split tile takes at most {SPLIT_COUNTERS} output tiles, not {tiles}")
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the first split GEMV on a GPU must run outside CUDA graph capture")
+        _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    record = (2 if gate_up else 1) * MAX_ROWS * block_n + MAX_ROWS
+    return torch.empty(split * tiles * record, dtype=torch.float32, device=device), _counters[device]
 
 
 def _tma_ok(weight: torch.Tensor) -> bool:
@@ -526,7 +636,7 @@ class Choice:
         scale = torch.ones(weight.shape[0], device=x.device) if weight.dtype == FP8 else None
         # TMA tiles need a 16-bit weight (else they would be timed as tiles with ordinary loads).
         tiles = {str(tile): tile for tile in candidate_tiles(x.shape[0], norm, gamma, scale is not None)
-                 if not tile.tma or (_tma_ok(weight) and scale is None)}
+                 if (not tile.tma or (_tma_ok(weight) and scale is None)) and split_fits(weight.shape[1], tile)}
         candidates = {"cublas": lambda w: _cublas(x, w, gate_up, ones, scale)}
         candidates |= {name: (lambda w, tile=tile: gemv(x, w, tile, norm_weight=in_kernel, eps=1e-5,
                                                         gate_up=gate_up, norm=norm, scale=scale))
@@ -554,8 +664,8 @@ def chooser_at_defaults() -> bool:
     weights in the projections."""
     from specserve.layers import linear
 
-    return (SWAP_CANDIDATES and TMA_ON and NORM_APART_ON and FP8_BITS and CUBLAS_MARGIN == 1.0 and LATE_TRIGGER
-            and TRIGGER_AT == 1.0 and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
+    return (SWAP_CANDIDATES and TMA_ON and SPLIT_ON and NORM_APART_ON and FP8_BITS and CUBLAS_MARGIN == 1.0
+            and LATE_TRIGGER and TRIGGER_AT == 1.0 and linear.FOLD_NORMS and linear.NORM_IN_WEIGHTS)
 
 
 def pick(times: dict[str, float], tiles: dict[str, Tile]) -> Tile | None:
@@ -578,7 +688,10 @@ def candidate_tiles(rows: int, norm: bool = False, gamma: bool = True, fp8: bool
         return ONE_ROW_TILES + (FP8_ONE_ROW_TILES if fp8 else [])
     swapped = SWAP_CANDIDATES and (SWAP_IN_FOLDS or not (norm and gamma))
     tma = swapped and TMA_ON and TensorDescriptor is not None
-    return ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
+    tiles = ROWS_TILES + (SWAP_TILES if swapped else []) + (TMA_TILES if tma else [])
+    if SPLIT_ON:
+        tiles += SPLIT_ROWS_TILES + (SPLIT_TMA_TILES if tma else [])
+    return tiles
 
 
 def decide_all(module: torch.nn.Module) -> None:
