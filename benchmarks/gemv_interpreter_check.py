@@ -1,9 +1,10 @@
 """The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
 (plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
 either norm form; and with an fp8 weight and its scales), at 1, 3 and 16 rows, rows-left and swapped tiles (with
-TMA loads and without; whole and split over K), shapes that divide the tiles and shapes that do not, widths within one step of the main
-loop and over several. For checking kernel changes on a machine without a GPU; the GPU tests (tests/test_gpu.py) are the real check. Needs
-`pip install triton` (its CPU wheel runs the interpreter). fp16: the interpreter's bf16 dot is wrong.
+TMA loads and without; whole and split over K), shapes that divide the tiles and shapes that do not, widths
+within one step of the main loop and over several. For checking kernel changes on a machine without a GPU; the
+GPU tests (tests/test_gpu.py) are the real check. Needs `pip install triton` (its CPU wheel runs the
+interpreter). fp16: the interpreter's bf16 dot is wrong.
 
     python benchmarks/gemv_interpreter_check.py --out benchmarks/results/gemv_interpreter_check_cpu.json
 """
@@ -80,6 +81,29 @@ SPLIT_TILES = [Tile(32, 64, 4, 3, split_k=2), Tile(64, 64, 4, 3, swap=True, spli
                Tile(64, 64, 4, 3, swap=True, tma=True, split_k=2)]
 
 
+def check(rows: int, tiles: list, shapes, calls: int = 1) -> list[dict]:
+    """Every form of each tile (those whose splits all get columns) on random weights of each (out_features,
+    width) in `shapes`, each form `calls` times (split tiles reset their counts for the next call): one record a
+    form and call."""
+    results = []
+    for out_features, width in shapes:
+        weight = (torch.randn(out_features, width) / width**0.5).half()
+        x = (torch.randn(rows, width) * 5).half()
+        gamma = (torch.rand(width) + 0.5).half()
+        residual = torch.randn(rows, out_features).half()
+        for tile in (t for t in tiles if triton_gemv.split_fits(width, t)):
+            for call in range(calls):
+                checked = [*forms(x, weight, gamma, residual, tile), *fp8_forms(x, weight, gamma, residual, tile)]
+                for form, out, reference in checked:
+                    error = (out.float() - reference).abs()
+                    results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile), "form": form,
+                                    "call": call, "max_abs_error": round(error.max().item(), 5),
+                                    "largest_value": round(reference.abs().max().item(), 2),
+                                    "ok": bool((error <= ATOL + RTOL * reference.abs()).all())})
+                    print(results[-1], flush=True)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -92,20 +116,7 @@ def main() -> None:
         tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
             triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3],
             *triton_gemv.TMA_TILES, *SPLIT_TILES]
-        for out_features, width in ((96, 64), (128, 512), (100, 600)):
-            weight = (torch.randn(out_features, width) / width**0.5).half()
-            x = (torch.randn(rows, width) * 5).half()
-            gamma = (torch.rand(width) + 0.5).half()
-            residual = torch.randn(rows, out_features).half()
-            for tile in (t for t in tiles if triton_gemv.split_fits(width, t)):
-                checked = [*forms(x, weight, gamma, residual, tile), *fp8_forms(x, weight, gamma, residual, tile)]
-                for form, out, reference in checked:
-                    error = (out.float() - reference).abs()
-                    results.append({"rows": rows, "shape": [out_features, width], "tile": str(tile), "form": form,
-                                    "max_abs_error": round(error.max().item(), 5),
-                                    "largest_value": round(reference.abs().max().item(), 2),
-                                    "ok": bool((error <= ATOL + RTOL * reference.abs()).all())})
-                    print(results[-1], flush=True)
+        results += check(rows, tiles, ((96, 64), (128, 512), (100, 600)))
     report = {"check": "gemv_interpreter", "dtype": "float16", "atol": ATOL, "rtol": RTOL,
               "all_ok": all(r["ok"] for r in results), "results": results}
     with open(args.out, "w") as f:

@@ -104,22 +104,15 @@ def test_gemv_with_fp8_weights_in_the_interpreter_matches_the_dequantized_math()
 
 
 _SPLIT_GEMV_IN_INTERPRETER = """
-from gemv_interpreter_check import ATOL, RTOL, SPLIT_TILES, forms, fp8_forms, interpreter_range
+from gemv_interpreter_check import SPLIT_TILES, check, interpreter_range
 from specserve.layers import triton_gemv
 triton_gemv.range = interpreter_range
 torch.manual_seed(0)
 for rows in (3, 16):
-    for out_features, width in ((96, 256), (100, 600)):
-        weight = (torch.randn(out_features, width) / width**0.5).half()
-        x = (torch.randn(rows, width) * 5).half()
-        gamma, residual = (torch.rand(width) + 0.5).half(), torch.randn(rows, out_features).half()
-        for tile in [t for t in SPLIT_TILES if triton_gemv.split_fits(width, t)]:
-            for checks in (forms, fp8_forms):
-                for call in range(2):  # the counts are back at zero for the next call
-                    for form, out, reference in checks(x, weight, gamma, residual, tile):
-                        error = (out.float() - reference).abs()
-                        assert (error <= ATOL + RTOL * reference.abs()).all(), (rows, tile, form, call, error.max())
-        assert not triton_gemv._counters[x.device].any()
+    results = check(rows, SPLIT_TILES, ((96, 256), (100, 600)), calls=2)  # twice: the counts are back at zero
+    assert {r["tile"] for r in results} == {str(t) for t in SPLIT_TILES}
+    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    assert not triton_gemv._counters[torch.device("cpu")].any()
 """
 
 
