@@ -262,6 +262,7 @@ def test_chain_row_inputs_kernel_in_the_interpreter_matches_pytorch():
 
 
 _SLOTS_FOR_SM90 = """
+import itertools
 import re
 import triton
 from triton.backends.compiler import GPUTarget
@@ -272,17 +273,18 @@ def alloc_slots(kernel, types, constants, stages):
     # Pointers, sizes and strides are given as multiples of 16, as serving's launches specialise them.
     signature = {name: "constexpr" if name in constants else types[name] for name in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constants
-             and (types[name].startswith("*") or name in ("N", "K") or name.startswith("stride"))}
+             and (types[name].startswith("*") or name in ("N", "K", "K_SPLIT") or name.startswith("stride"))}
     ir = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4, num_stages=stages)).asm["ttgir"]
     return re.findall(r"ttg\\.local_alloc : \\(\\) -> !ttg\\.memdesc<(\\d+)x(\\d+)x(\\d+)xbf16", ir)
 
-types = dict(X="*bf16", W="*bf16", OUT="*bf16", GAMMA="*bf16", RES="*bf16", SCALE="*fp32", M="i32", N="i32", K="i32",
-             stride_xm="i32", stride_wn="i32", stride_om="i32", stride_rm="i32", eps="fp32", trigger_k="i32")
-for block_n, block_k, stages in ((64, 256, 4), (128, 128, 3)):
+types = dict(X="*bf16", W="*bf16", OUT="*bf16", GAMMA="*bf16", RES="*bf16", SCALE="*fp32", WS="*fp32",
+             COUNTERS="*i32", M="i32", N="i32", K="i32", K_SPLIT="i32", stride_xm="i32", stride_wn="i32",
+             stride_om="i32", stride_rm="i32", eps="fp32", trigger_k="i32")
+for (block_n, block_k, stages), split in itertools.product(((64, 256, 4), (128, 128, 3)), (1, 2)):
     for gate_up in (False, True):
         form = dict(ROWS=16, GATE_UP=gate_up, NORM=True, GAMMA_ON=False, ADD=False, BLOCK_N=block_n,
-                    BLOCK_K=block_k, PDL=True)
+                    BLOCK_K=block_k, SPLIT=split, PDL=True)
         descriptor = {**types, "W": f"tensordesc<bf16[{block_n},{block_k}]>"}
         checks = {("TMA",): alloc_slots(triton_gemv._gemv_tma_kernel, descriptor, form, stages)}
         for even in (True, False):
@@ -294,7 +296,7 @@ for block_n, block_k, stages in ((64, 256, 4), (128, 128, 3)):
             x_slots = {int(n) for n, rows, _ in slots if int(rows) == 16}
             w_slots = {int(n) for n, rows, _ in slots if int(rows) == block_n}
             assert len(x_slots) == 1 and len(w_slots) == 1, (name, slots)
-            assert x_slots == w_slots, (name, block_n, block_k, stages, gate_up, slots)
+            assert x_slots == w_slots, (name, block_n, block_k, stages, split, gate_up, slots)
 """
 
 
@@ -304,7 +306,8 @@ def test_swapped_moved_norm_dot_has_as_many_slots_as_the_weight_compiled_for_sm9
     # swapped form whose norm weight sits in the projection, x's shared buffer is the asynchronous wgmma's
     # operand, as the weight's is, so it needs as many slots. With the sum of squares reading that same buffer,
     # Triton 3.6 gave it one fewer and the next loads raced the dot in flight (wrong results on an H200).
-    # Checked with PDL (as launched on sm_90), with and without the gate/up pair, with and without masks.
+    # Checked with PDL (as launched on sm_90), with and without the gate/up pair, with and without masks, whole
+    # and split over K.
     run = subprocess.run([sys.executable, "-c", _SLOTS_FOR_SM90], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]
