@@ -13,6 +13,8 @@ from specserve.engine import factory
 from specserve.engine.factory import build_engine_core
 from specserve.engine.tree_graphs import TreeGraphs, accept_tree_sampled
 from specserve.layers.attention import AttentionMetadata, attend_rows
+from specserve.spec.simulate import best_path
+from specserve.spec.tree import DraftTree
 
 from conftest import count_accepted, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
 from test_chain_graphs import _assert_drawn_from
@@ -89,6 +91,26 @@ def test_tree_acceptance_follows_the_targets_choices():
     tokens, accepted, _ = g._accept(5, nodes, best, forced=torch.tensor([1, 3, 0, 3, 9]))
     out = [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())]
     assert out == [[10, 20], [10, 20, 30, 0], [5], [10, 20, 30], [10, 20, 30, 0]]
+
+
+def test_simulated_acceptance_passes_over_a_first_child_too_shallow():
+    """Simulated acceptance goes the drawn count down each node's first child among those whose subtree is that
+    deep: a shallow first child is passed over, a tree shallower than the count caps it (as does a node left
+    out of the tree). The same on the runner's path (simulate.best_path) and the program's (`_leaf`)."""
+    parents = [-1, 0, 0, 2, 3, 2]  # root -> 1 (a leaf); root -> 2 -> 3 -> 4; root -> 2 -> 5
+    forced = [0, 1, 2, 3, 5]
+    expected = [[], [1], [2, 3], [2, 3, 4], [2, 3, 4]]
+    tree = DraftTree(list(range(10, 16)), parents)
+    assert [best_path(tree, n) for n in forced] == expected
+    g = TreeGraphs.__new__(TreeGraphs)
+    g.depth, g.num_drafts, g.device = 3, 5, torch.device("cpu")
+    bs = len(forced)
+    nodes = {"parent": torch.tensor([[0] + parents[1:]] * bs), "depth": torch.tensor([tree.depths()] * bs),
+             "in_tree": torch.ones(bs, 6, dtype=torch.bool)}
+    leaf = g._leaf(bs, nodes, best=None, forced=torch.tensor(forced))
+    assert leaf.tolist() == [path[-1] if path else 0 for path in expected]
+    nodes["in_tree"][:, 4] = False  # 2 -> 3 is now as deep as 2 -> 5, and 3 comes first
+    assert g._leaf(bs, nodes, best=None, forced=torch.tensor(forced)).tolist() == [0, 1, 3, 3, 3]
 
 
 def test_sampled_tree_acceptance_keeps_the_target_distribution():

@@ -398,7 +398,8 @@ class TreeGraphs(SpecGraphs):
 
     def _leaf(self, bs: int, nodes: dict, best: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
         """The accepted node [bs] of greedy rows: the deepest that matches the target's argmax all the way (with
-        `forced`, simulated acceptance: each node's first child, `forced` levels down)."""
+        `forced`, simulated acceptance: `forced` levels down each node's first child among those whose subtree
+        reaches that deep, or as deep as the tree goes)."""
         parent, depth, in_tree = nodes["parent"], nodes["depth"], nodes["in_tree"]
         if forced is None:
             # A node is reachable when its token is the target's choice after its parent, all the way up.
@@ -409,15 +410,20 @@ class TreeGraphs(SpecGraphs):
                 reachable = matches & reachable.gather(1, parent)
             reachable &= in_tree
             leaf = (reachable * (depth + 1)).argmax(dim=1)  # siblings differ, so one node per depth at most
-        else:  # simulated: follow each node's first child, `forced` levels down
+        else:  # simulated: `forced` levels down each node's first child among those whose subtree gets there
             width = self.num_drafts + 1
+            deepest = torch.where(in_tree, depth, -1)  # the depth of each node's deepest descendant in the tree
+            for _ in range(self.depth):
+                deepest = deepest.scatter_reduce(1, parent[:, 1:], deepest[:, 1:], "amax")
+            target = torch.minimum(forced, deepest[:, 0])
             first_child = torch.full((bs, width), width, dtype=torch.long, device=self.device)
             index = torch.arange(1, width, device=self.device).expand(bs, -1)
-            first_child.scatter_reduce_(1, parent[:, 1:], torch.where(in_tree[:, 1:], index, width), "amin")
+            reaches = in_tree[:, 1:] & (deepest[:, 1:] >= target[:, None])
+            first_child.scatter_reduce_(1, parent[:, 1:], torch.where(reaches, index, width), "amin")
             leaf = torch.zeros(bs, dtype=torch.long, device=self.device)
             for d in range(self.depth):
                 child = first_child.gather(1, leaf[:, None]).squeeze(1)
-                leaf = torch.where((child < width) & (d < forced), child, leaf)
+                leaf = torch.where((child < width) & (d < target), child, leaf)
         return leaf
 
     def _emit(self, nodes: dict, leaf: torch.Tensor, after: torch.Tensor):

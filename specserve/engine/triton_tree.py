@@ -22,6 +22,7 @@ ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
 # The rankings compare every pair of candidates in one program: searches with more candidates than this keep the
 # PyTorch form (the issue's top-4, 5-level tree has 68).
 MAX_CANDIDATES = 256
+SELECT_WARPS = int(os.environ.get("SPECSERVE_SELECT_WARPS", "4"))  # timed on an H200: see select_nodes
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def expand_level(values, indices, d2t, fed_scores, frontier, states, path, own, 
 def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS, SCRATCH,
                    OUT_TOKENS, OUT_PARENT, OUT_DEPTH, OUT_PATH, OUT_IN_TREE, OUT_SLOTS, stride_cand, stride_scratch,
                    C: tl.constexpr, C_PAD: tl.constexpr, N: tl.constexpr, N1_PAD: tl.constexpr,
-                   DEPTH: tl.constexpr):
+                   DEPTH: tl.constexpr, DEPTH_PAD: tl.constexpr):
     """One sequence: its N best candidates (score descending, the earlier first among equals), numbered 1..N in
     candidate order after the root (node 0), with their tokens, parent nodes, depths, paths (the ancestor at
     each depth, itself last, 0 past it), whether they rank within the sequence's limit, and their slots."""
@@ -121,7 +122,7 @@ def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS,
     score = tl.load(SCORES + cand, mask=valid, other=float("-inf"))
     rank = _ranks(score, i, valid)
     kept = valid & (rank < N)
-    node = 1 + tl.sum((kept[None, :] & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    node = tl.cumsum(kept.to(tl.int32), axis=0)  # a kept candidate's number: 1 + the kept ones before it
     node_of = tl.where(kept, node, 0)
     parent_cand = tl.load(PARENTS + cand, mask=valid, other=-1)
     parent = tl.sum(tl.where(i[None, :] == parent_cand[:, None], node_of[None, :], 0), axis=1)
@@ -139,16 +140,20 @@ def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS,
     s = tl.arange(0, N1_PAD)
     scratch = tl.load(SCRATCH + b * stride_scratch + s - 1, mask=(s >= 1) & (s <= N), other=0)
     tl.store(OUT_SLOTS + root + s, tl.where(s == 0, tl.load(ROOT_SLOTS + b), scratch), mask=s <= N)
-    # Paths: walk up from each kept candidate, writing each ancestor's node at its depth.
-    up, ancestor = i, node_of
+    # Paths, among the N + 1 nodes rather than the C candidates: each node's parent and depth in node order,
+    # then every node walks up at once, writing each ancestor at its depth.
+    is_node = (node_of[None, :] == s[:, None]) & kept[None, :]  # [node, candidate]; the root has none
+    node_parent = tl.sum(tl.where(is_node, parent[None, :], 0), axis=1)
+    node_depth = tl.sum(tl.where(is_node, depth[None, :], 0), axis=1)
+    d = tl.arange(0, DEPTH_PAD)
+    path = tl.zeros([N1_PAD, DEPTH_PAD], dtype=tl.int64)
+    ancestor = s
     for step in tl.static_range(DEPTH):
-        at = depth - 1 - step
-        tl.store(OUT_PATH + out.to(tl.int64) * DEPTH + at, ancestor.to(tl.int64), mask=kept & (at >= 0))
-        up = tl.load(PARENTS + b * stride_cand + up, mask=valid & (up >= 0), other=-1)
-        ancestor = tl.sum(tl.where(i[None, :] == up[:, None], node_of[None, :], 0), axis=1)
-    for d in tl.static_range(DEPTH):
-        tl.store(OUT_PATH + out.to(tl.int64) * DEPTH + d, 0, mask=kept & (d >= depth))
-        tl.store(OUT_PATH + root * DEPTH + d, 0)
+        at = node_depth - 1 - step
+        path = tl.where(d[None, :] == at[:, None], ancestor[:, None].to(tl.int64), path)
+        ancestor = tl.sum(tl.where(s[None, :] == ancestor[:, None], node_parent[None, :], 0), axis=1)
+    rows = (root + s).to(tl.int64)
+    tl.store(OUT_PATH + rows[:, None] * DEPTH + d[None, :], path, mask=(s[:, None] <= N) & (d[None, :] < DEPTH))
 
 
 def select_nodes(candidates: dict, candidate_depth: torch.Tensor, limit: torch.Tensor, root_ids: torch.Tensor,
@@ -169,7 +174,8 @@ def select_nodes(candidates: dict, candidate_depth: torch.Tensor, limit: torch.T
         tokens, candidates["parents"], candidates["scores"], candidate_depth, limit, root_ids, root_slots, scratch,
         nodes["tokens"], nodes["parent"], nodes["depth"], nodes["path"], nodes["in_tree"].view(torch.int8),
         nodes["slots"], tokens.stride(0), scratch.stride(0), C=c, C_PAD=triton.next_power_of_2(c), N=n,
-        N1_PAD=triton.next_power_of_2(n + 1), DEPTH=depth,
+        N1_PAD=triton.next_power_of_2(n + 1), DEPTH=depth, DEPTH_PAD=max(2, triton.next_power_of_2(depth)),
+        num_warps=SELECT_WARPS,
     )
     return nodes
 
@@ -179,8 +185,9 @@ def _accept_kernel(TOKENS, PARENT, DEPTHS, PATH, IN_TREE, SLOTS, BEST, FORCED, R
                    LAST_PACKED, LAST_ROOT, SRC, DST, pad_slot, stride_real, stride_last, N1: tl.constexpr,
                    N1_PAD: tl.constexpr, DEPTH: tl.constexpr, W_PAD: tl.constexpr, FORCE: tl.constexpr):
     """One sequence of a greedy tree step: the accepted node (the deepest whose path the target chose all the
-    way; with FORCE, simulated: each node's first child, FORCED levels down), its path's tokens with the
-    target's own after them and the count, packed; and the slots its nodes' KV and taps move from and to."""
+    way; with FORCE, simulated: FORCED levels down each node's first child among those whose subtree gets
+    there), its path's tokens with the target's own after them and the count, packed; and the slots its nodes'
+    KV and taps move from and to."""
     b = tl.program_id(0)
     i = tl.arange(0, N1_PAD)
     ok = i < N1
@@ -193,12 +200,16 @@ def _accept_kernel(TOKENS, PARENT, DEPTHS, PATH, IN_TREE, SLOTS, BEST, FORCED, R
     is_parent = i[None, :] == parent[:, None]  # [node, its parent]
     if FORCE:
         is_child = (parent[None, :] == i[:, None]) & in_tree[None, :] & (i[None, :] > 0)  # [node, its child]
-        first_child = tl.min(tl.where(is_child, i[None, :], N1), axis=1)
-        forced = tl.load(FORCED + b)
-        leaf = forced * 0
+        deepest = tl.where(in_tree, depth, -1)  # the depth of each node's deepest descendant in the tree
+        for _ in tl.static_range(DEPTH):
+            deepest = tl.maximum(deepest, tl.max(tl.where(is_child, deepest[None, :], -1), axis=1))
+        target = tl.minimum(tl.load(FORCED + b), tl.max(tl.where(i == 0, deepest, -1), axis=0))
+        reaches = is_child & (deepest[None, :] >= target)
+        first_child = tl.min(tl.where(reaches, i[None, :], N1), axis=1)
+        leaf = target * 0
         for d in tl.static_range(DEPTH):
             child = tl.sum(tl.where(i == leaf, first_child, 0), axis=0)
-            leaf = tl.where((child < N1) & (d < forced), child, leaf)
+            leaf = tl.where((child < N1) & (d < target), child, leaf)
     else:
         matches = (token == tl.sum(tl.where(is_parent, best[None, :], 0), axis=1)) | (i == 0)
         reachable = matches
