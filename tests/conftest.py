@@ -295,14 +295,14 @@ def _tree_program(bs: int, k: int, depth: int, n: int):
     return SimpleNamespace(
         num_drafts=n, device=torch.device("cpu"), depth=depth, fused=False, pad_slot=9999,
         candidate_depth=candidate_depths(k, depth), limit=torch.tensor([n, n // 2, 1, n])[:bs],
-        root_ids=7 + torch.arange(bs), root_slots=70 + 10 * torch.arange(bs),
+        root_ids=7 + torch.arange(bs), root_slots=70 + 10 * torch.arange(bs), root_pos=300 + 7 * torch.arange(bs),
         target_scratch=1000 + torch.arange(bs * n).view(bs, n),
         real_slots=5000 + torch.arange(bs * depth).view(bs, depth))
 
 
 def check_tree_select(device: str) -> None:
-    """triton_tree.select_nodes against TreeGraphs._select's PyTorch form: every output equal, with tied scores,
-    and limits that keep all, some and one of the N best."""
+    """triton_tree.select_nodes against TreeGraphs._select's PyTorch form: every output equal (the verify's rows
+    too: `_verify_rows`), with tied scores, and limits that keep all, some and one of the N best."""
     from specserve.engine import triton_tree
     from specserve.engine.tree_graphs import TreeGraphs
 
@@ -313,12 +313,15 @@ def check_tree_select(device: str) -> None:
         program = _tree_program(bs, k, depth, n)
         expected = TreeGraphs._select(program, bs, tokens, parents, scores)
         on = {name: getattr(program, name).to(device)
-              for name in ("candidate_depth", "limit", "root_ids", "root_slots", "target_scratch")}
+              for name in ("candidate_depth", "limit", "root_ids", "root_slots", "target_scratch", "root_pos")}
         candidates = {"tokens": tokens.to(device), "parents": parents.to(device), "scores": scores.to(device)}
         ours = triton_tree.select_nodes(candidates, on["candidate_depth"], on["limit"], on["root_ids"],
-                                        on["root_slots"], on["target_scratch"], depth)
+                                        on["root_slots"], on["target_scratch"], depth, on["root_pos"])
         for name, value in expected.items():
             assert torch.equal(ours[name].cpu(), value), (k, depth, n, name)
+        for name, value in TreeGraphs._verify_rows(program, bs, expected).items():
+            got = ours["verify_rows"][name]
+            assert got.dtype == value.dtype and torch.equal(got.cpu(), value), (k, depth, n, name)
 
 
 def check_tree_accept(device: str) -> None:

@@ -293,10 +293,12 @@ class TreeGraphs(SpecGraphs):
         return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
 
     def _fed_rows(self, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What every level's fed rows share, made once (each graph kernel costs a launch's latency): their roots
-        [bs * k], the same as context lengths in int32, and their page tables."""
+        """What every level's fed rows share, made once (each graph kernel costs a launch's latency): their
+        positions at each level [depth - 1, bs * k] (level l's rows sit at root + l - 1), their roots as context
+        lengths in int32 [bs * k], and their page tables."""
         fed_root = self.root_pos[:bs].repeat_interleave(self.topk)
-        return fed_root, fed_root.to(torch.int32), self.tables[n][:bs].repeat_interleave(self.topk, 0)
+        positions = fed_root[None, :] + self.level_lens[: max(self.depth - 1, 1), :1]
+        return positions, fed_root.to(torch.int32), self.tables[n][:bs].repeat_interleave(self.topk, 0)
 
     def _level_pass(self, bs: int, n: int, level: int, fed_rows: tuple, states: torch.Tensor, tokens: torch.Tensor,
                     path: torch.Tensor):
@@ -304,11 +306,11 @@ class TreeGraphs(SpecGraphs):
         scratch slots, the last their own) -> (its output [bs * k, H], each row's k best children: log-probs and
         draft ids [bs * k, k])."""
         head, k = self.head, self.topk
-        fed_root, fed_context, fed_tables = fed_rows
+        fed_positions, fed_context, fed_tables = fed_rows
         own = self.head_scratch[:bs, (level - 1) * k: level * k]
         meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head.config.model.num_kv_heads, path,
                                self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
-        out = head(self.target.embed_tokens.weight, states, fed_root + (level - 1), meta, self.drafter.kv_cache,
+        out = head(self.target.embed_tokens.weight, states, fed_positions[level - 1], meta, self.drafter.kv_cache,
                    tokens)
         return (out, *log_softmax_topk(head.compute_logits(out), k))
 
@@ -346,7 +348,8 @@ class TreeGraphs(SpecGraphs):
 
             candidates = {"tokens": tokens, "parents": parents, "scores": scores}
             return triton_tree.select_nodes(candidates, self.candidate_depth, self.limit[:bs], self.root_ids[:bs],
-                                            self.root_slots[:bs], self.target_scratch[:bs], self.depth)
+                                            self.root_slots[:bs], self.target_scratch[:bs], self.depth,
+                                            self.root_pos[:bs])
         n = self.num_drafts
         ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
         kept = ranked.sort(dim=-1).values  # candidate order: parents before children
@@ -377,16 +380,25 @@ class TreeGraphs(SpecGraphs):
         """The target's argmax after every node [bs, N + 1]; stores the nodes' KV and taps in their slots."""
         return argmax(self._verify_logits(bs, n, nodes))
 
+    def _verify_rows(self, bs: int, nodes: dict) -> dict:
+        """What each of the verify's rows [bs * (N + 1)] reads besides its node: its tail (its path's slots,
+        [., depth]), context length (the root's position + 1) and tail length in int32, and position. The fused
+        selection writes these itself (triton_tree.select_nodes)."""
+        width = self.num_drafts + 1
+        root_pos = self.root_pos[:bs]
+        return {"tails": nodes["slots"].gather(1, nodes["path"].view(bs, -1)).view(bs * width, self.depth),
+                "seq_lens": (root_pos + 1).repeat_interleave(width).to(torch.int32),
+                "tail_lens": nodes["depth"].reshape(-1).to(torch.int32),
+                "positions": (root_pos[:, None] + nodes["depth"]).view(-1)}
+
     def _verify_logits(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
         """The target's logits after every node [bs, N + 1, V]; stores the nodes' KV and taps in their slots."""
         width = self.num_drafts + 1
-        tails = nodes["slots"].gather(1, nodes["path"].view(bs, -1)).view(bs * width, self.depth)
-        root_pos = self.root_pos[:bs]
-        meta = self._rows_meta(bs, n, nodes["slots"].reshape(-1), (root_pos + 1).repeat_interleave(width), width,
-                               self.target.config.num_kv_heads, tails, nodes["depth"].reshape(-1), shared=True,
+        rows = nodes["verify_rows"] if "verify_rows" in nodes else self._verify_rows(bs, nodes)
+        meta = self._rows_meta(bs, n, nodes["slots"].reshape(-1), rows["seq_lens"], width,
+                               self.target.config.num_kv_heads, rows["tails"], rows["tail_lens"], shared=True,
                                closed=True)
-        positions = (root_pos[:, None] + nodes["depth"]).view(-1)
-        hidden, captured = self.target(nodes["tokens"].reshape(-1), positions, meta, self.kv_cache,
+        hidden, captured = self.target(nodes["tokens"].reshape(-1), rows["positions"], meta, self.kv_cache,
                                        self.drafter.capture_layers)
         self.drafter.observe(captured, meta.slot_mapping)
         return self.target.compute_logits(hidden).view(bs, width, -1)

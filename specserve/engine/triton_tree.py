@@ -22,7 +22,9 @@ ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
 # The rankings compare every pair of candidates in one program: searches with more candidates than this keep the
 # PyTorch form (the issue's top-4, 5-level tree has 68).
 MAX_CANDIDATES = 256
-SELECT_WARPS = int(os.environ.get("SPECSERVE_SELECT_WARPS", "4"))  # timed on an H200: see select_nodes
+# One selection took 9.2 us at 4 warps and 7.8 at 8 in a graph of copies on an H200 (18.8 before its paths were
+# walked among the nodes); in the tree step the two warp counts tie.
+SELECT_WARPS = int(os.environ.get("SPECSERVE_SELECT_WARPS", "8"))
 
 
 @triton.jit
@@ -108,13 +110,15 @@ def expand_level(values, indices, d2t, fed_scores, frontier, states, path, own, 
 
 
 @triton.jit
-def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS, SCRATCH,
-                   OUT_TOKENS, OUT_PARENT, OUT_DEPTH, OUT_PATH, OUT_IN_TREE, OUT_SLOTS, stride_cand, stride_scratch,
+def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS, SCRATCH, ROOT_POS,
+                   OUT_TOKENS, OUT_PARENT, OUT_DEPTH, OUT_PATH, OUT_IN_TREE, OUT_SLOTS, OUT_TAILS, OUT_SEQ_LENS,
+                   OUT_TAIL_LENS, OUT_POSITIONS, stride_cand, stride_scratch,
                    C: tl.constexpr, C_PAD: tl.constexpr, N: tl.constexpr, N1_PAD: tl.constexpr,
                    DEPTH: tl.constexpr, DEPTH_PAD: tl.constexpr):
     """One sequence: its N best candidates (score descending, the earlier first among equals), numbered 1..N in
     candidate order after the root (node 0), with their tokens, parent nodes, depths, paths (the ancestor at
-    each depth, itself last, 0 past it), whether they rank within the sequence's limit, and their slots."""
+    each depth, itself last, 0 past it), whether they rank within the sequence's limit, and their slots; and
+    what the verify's row of each node reads (`TreeGraphs._verify_rows`)."""
     b = tl.program_id(0)
     i = tl.arange(0, C_PAD)
     valid = i < C
@@ -153,13 +157,25 @@ def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS,
         path = tl.where(d[None, :] == at[:, None], ancestor[:, None].to(tl.int64), path)
         ancestor = tl.sum(tl.where(s[None, :] == ancestor[:, None], node_parent[None, :], 0), axis=1)
     rows = (root + s).to(tl.int64)
-    tl.store(OUT_PATH + rows[:, None] * DEPTH + d[None, :], path, mask=(s[:, None] <= N) & (d[None, :] < DEPTH))
+    in_path = (s[:, None] <= N) & (d[None, :] < DEPTH)
+    tl.store(OUT_PATH + rows[:, None] * DEPTH + d[None, :], path, mask=in_path)
+    # The verify's rows: each node's tail (its path's slots; node 0's is the root's), context length (the
+    # root's position + 1), tail length and position.
+    tail = tl.load(SCRATCH + b * stride_scratch + path - 1, mask=in_path & (path >= 1), other=0)
+    tl.store(OUT_TAILS + rows[:, None] * DEPTH + d[None, :], tl.where(path >= 1, tail, tl.load(ROOT_SLOTS + b)),
+             mask=in_path)
+    root_pos = tl.load(ROOT_POS + b)
+    on = s <= N
+    tl.store(OUT_SEQ_LENS + rows, (root_pos + 1 + 0 * s).to(tl.int32), mask=on)
+    tl.store(OUT_TAIL_LENS + rows, node_depth.to(tl.int32), mask=on)
+    tl.store(OUT_POSITIONS + rows, root_pos + node_depth, mask=on)
 
 
 def select_nodes(candidates: dict, candidate_depth: torch.Tensor, limit: torch.Tensor, root_ids: torch.Tensor,
-                 root_slots: torch.Tensor, scratch: torch.Tensor, depth: int) -> dict:
+                 root_slots: torch.Tensor, scratch: torch.Tensor, depth: int, root_pos: torch.Tensor) -> dict:
     """`TreeGraphs._select` in one kernel: candidates (tokens, parents [bs, C] int64, scores [bs, C] fp32) ->
-    the nodes dict (tokens, parent, depth, path, in_tree, slots)."""
+    the nodes dict (tokens, parent, depth, path, in_tree, slots), with the verify's rows
+    (`TreeGraphs._verify_rows`, from the roots' positions) under "verify_rows": their launches off a step."""
     tokens = candidates["tokens"]
     bs, c = tokens.shape
     n = scratch.shape[1]
@@ -168,16 +184,21 @@ def select_nodes(candidates: dict, candidate_depth: torch.Tensor, limit: torch.T
              "depth": torch.empty(bs, n + 1, **long), "path": torch.empty(bs, n + 1, depth, **long),
              "in_tree": torch.empty(bs, n + 1, dtype=torch.bool, device=tokens.device),
              "slots": torch.empty(bs, n + 1, **long)}
+    int32 = dict(dtype=torch.int32, device=tokens.device)
+    rows = {"tails": torch.empty(bs * (n + 1), depth, **long), "seq_lens": torch.empty(bs * (n + 1), **int32),
+            "tail_lens": torch.empty(bs * (n + 1), **int32), "positions": torch.empty(bs * (n + 1), **long)}
+    assert root_pos.is_contiguous() and root_slots.is_contiguous()
     assert tokens.stride(1) == 1 and candidates["parents"].stride() == tokens.stride()
     assert candidates["scores"].stride() == tokens.stride() and scratch.stride(1) == 1
     _select_kernel[(bs,)](
         tokens, candidates["parents"], candidates["scores"], candidate_depth, limit, root_ids, root_slots, scratch,
-        nodes["tokens"], nodes["parent"], nodes["depth"], nodes["path"], nodes["in_tree"].view(torch.int8),
-        nodes["slots"], tokens.stride(0), scratch.stride(0), C=c, C_PAD=triton.next_power_of_2(c), N=n,
+        root_pos, nodes["tokens"], nodes["parent"], nodes["depth"], nodes["path"], nodes["in_tree"].view(torch.int8),
+        nodes["slots"], rows["tails"], rows["seq_lens"], rows["tail_lens"], rows["positions"], tokens.stride(0),
+        scratch.stride(0), C=c, C_PAD=triton.next_power_of_2(c), N=n,
         N1_PAD=triton.next_power_of_2(n + 1), DEPTH=depth, DEPTH_PAD=max(2, triton.next_power_of_2(depth)),
         num_warps=SELECT_WARPS,
     )
-    return nodes
+    return nodes | {"verify_rows": rows}
 
 
 @triton.jit
