@@ -5,8 +5,9 @@ Each request and step, the number of accepted drafts is drawn with mean tau - 1 
 the bonus token) from the two integers around it, and the accepted tokens are the drafts along the tree's
 best path that is that deep: from the root, each node's top-ranked child (its first) among those whose
 subtree reaches the drawn depth, so a tree shallower along its first children still accepts the count drawn
-(only a tree shallower than the count caps it). The bonus token is the target's own choice after the last. The output is therefore not the target's: never on by default, and every
-figure made with it is labelled simulated.
+(only a tree shallower than the count caps it). The bonus token is the target's own choice after the last.
+The output is therefore not the target's: never on by default, and every figure made with it is labelled
+simulated.
 """
 from __future__ import annotations
 
