@@ -23,7 +23,7 @@ ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
 # PyTorch form (the issue's top-4, 5-level tree has 68).
 MAX_CANDIDATES = 256
 # One selection took 9.2 us at 4 warps and 7.8 at 8 in a graph of copies on an H200 (18.8 before its paths were
-# walked among the nodes); in the tree step the two warp counts tie.
+# walked among the nodes; both before it also wrote the verify's rows); in the tree step the two warp counts tie.
 SELECT_WARPS = int(os.environ.get("SPECSERVE_SELECT_WARPS", "8"))
 
 
@@ -142,8 +142,9 @@ def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS,
     tl.store(OUT_DEPTH + root, 0)
     tl.store(OUT_IN_TREE + root, 1)
     s = tl.arange(0, N1_PAD)
+    root_slot = tl.load(ROOT_SLOTS + b)
     scratch = tl.load(SCRATCH + b * stride_scratch + s - 1, mask=(s >= 1) & (s <= N), other=0)
-    tl.store(OUT_SLOTS + root + s, tl.where(s == 0, tl.load(ROOT_SLOTS + b), scratch), mask=s <= N)
+    tl.store(OUT_SLOTS + root + s, tl.where(s == 0, root_slot, scratch), mask=s <= N)
     # Paths, among the N + 1 nodes rather than the C candidates: each node's parent and depth in node order,
     # then every node walks up at once, writing each ancestor at its depth.
     is_node = (node_of[None, :] == s[:, None]) & kept[None, :]  # [node, candidate]; the root has none
@@ -162,8 +163,7 @@ def _select_kernel(TOKENS, PARENTS, SCORES, DEPTHS, LIMIT, ROOT_IDS, ROOT_SLOTS,
     # The verify's rows: each node's tail (its path's slots; node 0's is the root's), context length (the
     # root's position + 1), tail length and position.
     tail = tl.load(SCRATCH + b * stride_scratch + path - 1, mask=in_path & (path >= 1), other=0)
-    tl.store(OUT_TAILS + rows[:, None] * DEPTH + d[None, :], tl.where(path >= 1, tail, tl.load(ROOT_SLOTS + b)),
-             mask=in_path)
+    tl.store(OUT_TAILS + rows[:, None] * DEPTH + d[None, :], tl.where(path >= 1, tail, root_slot), mask=in_path)
     root_pos = tl.load(ROOT_POS + b)
     on = s <= N
     tl.store(OUT_SEQ_LENS + rows, (root_pos + 1 + 0 * s).to(tl.int32), mask=on)
