@@ -72,8 +72,9 @@ def chain_parts(program, n: int) -> dict:
 
 
 def tree_parts(program, n: int) -> dict:
-    search, nodes = graphed(lambda: program._select(1, *program._search(1, n)))
-    verify, _ = graphed(lambda: program._verify(1, n, nodes))
+    rows = program._metas(1, n)  # static buffers: the whole step's graph rewrites them the same
+    search, nodes = graphed(lambda: program._select(1, *program._search(1, n, rows)))
+    verify, _ = graphed(lambda: program._verify(1, n, nodes, rows))
     whole, _ = graphed(lambda: program._step(1, n, program.forced[:1]))
     return {"draft: head catch-up + search + select": search, "verify: target over root + N": verify,
             "whole step": whole}

@@ -69,10 +69,12 @@ def measure_form(engine, program, n: int, context: int, state: StepState, repeat
     def place_at(program, context):
         return state.restore(context)
     place_at(program, context)
-    search, nodes = graphed(lambda: program._select(1, *program._search(1, n)))
-    verify, logits = graphed(lambda: program._verify_logits(1, n, nodes))
+    rows = program._metas(1, n)
+    search, nodes = graphed(lambda: program._select(1, *program._search(1, n, rows)))
+    verify, logits = graphed(lambda: program._verify_logits(1, n, nodes, rows))
     whole, _ = graphed(lambda: program._step(1, n, program.forced[:1]))
     place_at(program, context)  # the step's replays move the root on: back to the same state
+    program._metas(1, n)  # and the rows that follow from it
     search()
     row = {"draft_ms": cuda_ms(search, repeats), "verify_ms": cuda_ms(verify, repeats)}
     row["whole_step_ms"] = cuda_ms(whole, max(1, repeats // 5))

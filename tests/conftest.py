@@ -411,6 +411,80 @@ def check_tree_expand(device: str, dtype: torch.dtype) -> None:
             assert (out[name] == 0).all() if last else torch.equal(out[name].cpu(), value), (k, level, name)
 
 
+def check_tree_step_rows(device: str) -> None:
+    """triton_tree.step_rows against TreeGraphs._step_rows (the PyTorch form of `_metas`): every row input equal,
+    with page tables of a stride wider than their pages and page counts that do not fill the kernel's blocks."""
+    from types import SimpleNamespace
+
+    from specserve.engine import triton_tree
+    from specserve.engine.tree_graphs import TreeGraphs
+
+    generator = torch.Generator().manual_seed(6)
+    for k, depth, num_drafts, pages in ((4, 5, 16, 70), (3, 1, 3, 5), (2, 3, 6, 129)):
+        bs, width = 3, depth + 1
+        wide = torch.randint(0, 1000, (bs, pages + 5), generator=generator, dtype=torch.int32)
+        table = wide[:, :pages]
+        program = SimpleNamespace(
+            topk=k, depth=depth, num_drafts=num_drafts, width=width, tables={64: table},
+            root_pos=torch.randint(0, 5000, (bs,), generator=generator),
+            catch_pos=torch.randint(0, 5000, (bs, width), generator=generator),
+            level_lens=torch.arange(depth, dtype=torch.int32)[:, None].repeat(1, bs * k))
+        expected = TreeGraphs._step_rows(program, bs, 64)
+        out = {name: torch.full_like(value, -3).to(device) for name, value in expected.items()}
+        triton_tree.step_rows(program.catch_pos.to(device), program.root_pos.to(device), wide.to(device)[:, :pages],
+                              out)
+        for name, value in expected.items():
+            assert out[name].dtype == value.dtype and torch.equal(out[name].cpu(), value), (k, depth, name)
+
+
+def check_tree_root_children(device: str, dtype: torch.dtype) -> None:
+    """triton_tree.root_children against the PyTorch form of the search's first level (TreeGraphs._search): the
+    root's children as the first candidates (and nothing past them), and fed next with the root's state."""
+    from specserve.engine import triton_tree
+
+    generator = torch.Generator().manual_seed(7)
+    for k, hidden, mapped in ((4, 2500, True), (3, 64, False), (1, 5, True)):
+        bs, c, vocab = 3, 30, 500
+        values = torch.randn(bs, k, generator=generator).sort(dim=1, descending=True).values
+        indices = torch.randint(0, vocab, (bs, k), generator=generator)
+        d2t = torch.randint(0, 5000, (vocab,), generator=generator)
+        state = torch.randn(bs, hidden + 3, generator=generator).to(dtype)[:, :hidden]  # rows wider than the state
+        tokens = indices + d2t[indices] if mapped else indices
+        long = dict(dtype=torch.long, device=device)
+        candidates = {"tokens": torch.full((bs, c), -5, **long), "scores": torch.full((bs, c), 9.0, device=device)}
+        fed = {"tokens": torch.zeros(bs, k, **long), "scores": torch.zeros(bs, k, device=device),
+               "states": torch.zeros(bs * k, hidden, dtype=dtype, device=device)}
+        triton_tree.root_children(values.to(device), indices.to(device), d2t.to(device) if mapped else None,
+                                  state.to(device), candidates, fed)
+        assert torch.equal(candidates["tokens"][:, :k].cpu(), tokens) and (candidates["tokens"][:, k:] == -5).all()
+        assert torch.equal(candidates["scores"][:, :k].cpu(), values) and (candidates["scores"][:, k:] == 9.0).all()
+        assert torch.equal(fed["tokens"].cpu(), tokens) and torch.equal(fed["scores"].cpu(), values)
+        assert torch.equal(fed["states"].cpu(), state.repeat_interleave(k, dim=0)), (k, hidden)
+
+
+def check_tree_move(device: str, dtype: torch.dtype) -> None:
+    """triton_tree.move_slots against TreeGraphs._move_slots (the KV of every layer and the head's taps, moved
+    from the accepted nodes' scratch slots to their positions' slots), with pairs of padding slots among them."""
+    from types import SimpleNamespace
+
+    from specserve.engine import triton_tree
+    from specserve.engine.tree_graphs import TreeGraphs
+    from specserve.spec.drafters import Eagle3Drafter
+
+    generator = torch.Generator().manual_seed(8)
+    for layers, kv_heads, dim, hidden in ((3, 2, 8, 48), (2, 8, 128, 4096)):
+        slots, pad = 40, 39
+        kv = torch.randn(layers, 2, slots, kv_heads, dim, generator=generator).to(dtype)
+        taps = torch.randn(slots, hidden, generator=generator).to(dtype)
+        src, dst = torch.tensor([10, 11, pad, 12, pad]), torch.tensor([30, 31, pad, 5, pad])
+        expected = SimpleNamespace(kv_cache=kv.clone(), drafter=SimpleNamespace(taps=taps.clone()))
+        expected.drafter.move_slots = lambda s, d: Eagle3Drafter.move_slots(expected.drafter, s, d)
+        TreeGraphs._move_slots(expected, src, dst)
+        kv_on, taps_on = kv.to(device, copy=True), taps.to(device, copy=True)
+        triton_tree.move_slots(kv_on, taps_on, src.to(device), dst.to(device), pad)
+        assert torch.equal(kv_on.cpu(), expected.kv_cache) and torch.equal(taps_on.cpu(), expected.drafter.taps)
+        assert not torch.equal(kv_on.cpu(), kv)  # something moved
+
 def check_argmax(device: str, dtype: torch.dtype) -> None:
     """The argmax kernels (layers/triton_argmax.py) against torch.argmax: vocabularies of one block, of many and
     not a multiple of the block, a row stride wider than the row, ties at the top across blocks, a NaN, a row of

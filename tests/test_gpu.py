@@ -13,7 +13,8 @@ from specserve.sampling_params import SamplingParams
 
 from conftest import (check_accept_and_pack, check_argmax, check_chain_rows, check_closed_tail_attention,
                       check_rms_norm_pair, check_tail_attention, check_tree_accept, check_tree_expand,
-                      check_tree_select, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head)
+                      check_tree_move, check_tree_root_children, check_tree_select, check_tree_step_rows,
+                      run_mixed_sampling, watch_drafting_paths, write_peaked_random_head)
 from test_greedy_vs_hf import _check, _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -320,12 +321,15 @@ def test_triton_decode_attention_with_a_trees_tails_as_one_block_matches_the_row
 
 
 def test_fused_tree_search_kernels_match_the_pytorch_forms():
-    """A search level's bookkeeping, the tree's selection and a greedy step's acceptance (engine/triton_tree.py)
-    against the PyTorch forms."""
+    """A search level's bookkeeping (the first level's too), the tree's selection, a greedy step's acceptance, the
+    step's row inputs and the accepted nodes' move (engine/triton_tree.py) against the PyTorch forms."""
     check_tree_select("cuda")
     check_tree_accept("cuda")
+    check_tree_step_rows("cuda")
     for dtype in (torch.float32, torch.bfloat16):
         check_tree_expand("cuda", dtype)
+        check_tree_root_children("cuda", dtype)
+        check_tree_move("cuda", dtype)
 
 
 @pytest.mark.parametrize("new_forms", [False, True], ids=["tails-per-row-pytorch-search", "one-block-fused-search"])

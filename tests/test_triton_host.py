@@ -159,20 +159,25 @@ def test_verified_trees_tails_as_one_block_in_the_interpreter():
 
 
 _TREE_SEARCH_IN_INTERPRETER = """
-from conftest import check_tree_accept, check_tree_expand, check_tree_select
+from conftest import (check_tree_accept, check_tree_expand, check_tree_move, check_tree_root_children,
+                      check_tree_select, check_tree_step_rows)
 from gemv_interpreter_check import interpreter_range
 from specserve.engine import triton_tree
 triton_tree.range = interpreter_range
 check_tree_select("cpu")
 check_tree_accept("cpu")
+check_tree_step_rows("cpu")
 for dtype in (torch.float32, torch.bfloat16):
     check_tree_expand("cpu", dtype)
+    check_tree_root_children("cpu", dtype)
+    check_tree_move("cpu", dtype)
 """
 
 
 def test_fused_tree_search_kernels_in_the_interpreter_match_the_pytorch_forms():
-    # A search level's bookkeeping, the tree's selection and a greedy step's acceptance, each one kernel, against
-    # the PyTorch forms the CPU runs: equal outputs, ties included.
+    # A search level's bookkeeping (the first level's too), the tree's selection, a greedy step's acceptance, the
+    # step's row inputs and the accepted nodes' move, each one kernel, against the PyTorch forms the CPU runs: equal
+    # outputs, ties included.
     _run_in_interpreter(_TREE_SEARCH_IN_INTERPRETER, timeout=900)
 
 

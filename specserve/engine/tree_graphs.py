@@ -154,6 +154,14 @@ class TreeGraphs(SpecGraphs):
         self.first_frontier = torch.arange(k, **long).repeat(b, 1)
         # Level 1's rows' paths: their own slots (a one-level tree feeds no rows; its head scratch is one slot).
         self.first_path = self.head_scratch[:, :k].reshape(b * k, 1).clone() if depth > 1 else None
+        # The step's row inputs (`_metas`), written by one kernel; page tables per context bucket.
+        int32 = dict(dtype=torch.int32, device=self.device)
+        self.row_inputs = {"catch_lens": torch.zeros(b * self.width, **int32),
+                           "fed_pos": torch.zeros(max(depth - 1, 1), b * k, **long),
+                           "fed_lens": torch.zeros(b * k, **int32)}
+        self.table_rows = {"catch_tables": self.width, "fed_tables": k, "verify_tables": self.num_drafts + 1}
+        self.row_tables = {n: {name: torch.zeros(b * r, t.shape[1], **int32) for name, r in self.table_rows.items()}
+                           for n, t in self.tables.items()}
 
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
         b, w = self.max_bs, self.width
@@ -197,23 +205,48 @@ class TreeGraphs(SpecGraphs):
     def _roots(self, bs: int) -> torch.Tensor:
         return self.root_pos[:bs]
 
-    def _metas(self, bs: int, n: int) -> dict:
-        return {}  # the program builds its metadata from its own tensors, on every device
+    def _metas(self, bs: int, n: int) -> dict[str, torch.Tensor]:
+        """What the step's attention reads that follows from the catch-up rows' positions and the roots: the
+        catch-up rows' context lengths (int32, up to and including each row) and page tables (one per row);
+        the fed rows' positions at each level [levels, bs * k] (level l's rows at root + l), context lengths
+        (the roots, int32) and page tables; the verify's rows' page tables. With the fused search one kernel
+        writes them (triton_tree.step_rows): in PyTorch they are ~8 graph kernels, each a launch's latency."""
+        if self.fused:
+            from specserve.engine import triton_tree
+
+            rows = self._static_rows(bs, n)
+            triton_tree.step_rows(self.catch_pos[:bs], self.root_pos[:bs], self.tables[n][:bs], rows)
+            return rows
+        return self._step_rows(bs, n)
+
+    def _static_rows(self, bs: int, n: int) -> dict[str, torch.Tensor]:
+        """`_metas`' static buffers for bs sequences in context bucket n."""
+        k = self.topk
+        rows = {name: table[: bs * self.table_rows[name]] for name, table in self.row_tables[n].items()}
+        return rows | {"catch_lens": self.row_inputs["catch_lens"][: bs * self.width],
+                       "fed_pos": self.row_inputs["fed_pos"][:, : bs * k],
+                       "fed_lens": self.row_inputs["fed_lens"][: bs * k]}
+
+    def _step_rows(self, bs: int, n: int) -> dict[str, torch.Tensor]:
+        """`_metas` in PyTorch: the CPU path, and the reference of the fused kernel."""
+        k, table, root = self.topk, self.tables[n][:bs], self.root_pos[:bs]
+        fed_root = root.repeat_interleave(k)
+        return {"catch_lens": (self.catch_pos[:bs] + 1).view(-1).to(torch.int32),
+                "catch_tables": table.repeat_interleave(self.width, 0),
+                "fed_pos": fed_root[None, :] + self.level_lens[: max(self.depth - 1, 1), :1],
+                "fed_lens": fed_root.to(torch.int32), "fed_tables": table.repeat_interleave(k, 0),
+                "verify_tables": table.repeat_interleave(self.num_drafts + 1, 0)}
 
     # -- the program --------------------------------------------------------
-    def _rows_meta(self, bs: int, n: int, slots: torch.Tensor, seq_lens: torch.Tensor, per_seq: int,
-                   kv_heads: int, tails: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None,
-                   shared: bool = False, tables: torch.Tensor | None = None, closed: bool = False) -> AttentionMetadata:
-        """`per_seq` rows per sequence, each one query over its sequence's pages up to seq_lens, then its tail.
-        `shared`: a sequence's rows have one context length, so the kernel reads it once for all of them.
-        `tables`: the rows' page tables where the caller has them already (repeated per row). `closed`: every
-        tail slot is one of the run's rows' own (AttentionMetadata.closed_tails)."""
-        if tables is None:
-            tables = self.tables[n][:bs].repeat_interleave(per_seq, 0)
-        return AttentionMetadata.for_decode_kernel(
-            slots, tables, seq_lens.to(torch.int32), self.page_size, kv_heads, n, tail_slots=tails,
-            tail_lens=None if tail_lens is None else tail_lens.to(torch.int32), rows_per_seq=per_seq if shared else 1,
-            closed_tails=closed)
+    def _rows_meta(self, n: int, slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor, kv_heads: int,
+                   tails: torch.Tensor | None = None, tail_lens: torch.Tensor | None = None, per_seq: int = 1,
+                   closed: bool = False) -> AttentionMetadata:
+        """Rows each one query over its page table (one per row) up to seq_lens (int32), then its tail.
+        `per_seq` > 1: runs of that many rows share a context length, so the kernel reads it once for them all.
+        `closed`: every tail slot is one of the run's rows' own (AttentionMetadata.closed_tails)."""
+        return AttentionMetadata.for_decode_kernel(slots, tables, seq_lens, self.page_size, kv_heads, n,
+                                                   tail_slots=tails, tail_lens=tail_lens, rows_per_seq=per_seq,
+                                                   closed_tails=closed)
 
     def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
         """With the fused search, a greedy step accepts and packs in one kernel (triton_tree.accept_tree)."""
@@ -221,18 +254,18 @@ class TreeGraphs(SpecGraphs):
             return super()._forward_packed(bs, n, metas, forced, params)
         from specserve.engine import triton_tree
 
-        candidates = self._search(bs, n)
+        candidates = self._search(bs, n, metas)
         nodes = self._select(bs, *candidates)
-        best = argmax(self._verify_logits(bs, n, nodes))
+        best = argmax(self._verify_logits(bs, n, nodes, metas))
         packed, src, dst = triton_tree.accept_tree(nodes, best, forced, self.real_slots[:bs], self.pad_slot,
                                                    self._roots(bs), self.last_packed, self.last_root)
-        self._move_slots(src.view(-1), dst.view(-1))
+        triton_tree.move_slots(self.kv_cache, self.drafter.taps, src.view(-1), dst.view(-1), self.pad_slot)
         return packed
 
     def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
-        candidates = self._search(bs, n)
+        candidates = self._search(bs, n, metas)
         nodes = self._select(bs, *candidates)
-        logits = self._verify_logits(bs, n, nodes)
+        logits = self._verify_logits(bs, n, nodes, metas)
         best = argmax(logits)
         leaf = self._leaf(bs, nodes, best, forced)
         after = best.gather(1, leaf[:, None])[:, 0]
@@ -250,31 +283,29 @@ class TreeGraphs(SpecGraphs):
         self._move_accepted(bs, nodes, path, accepted)
         return tokens, accepted
 
-    def _search(self, bs: int, n: int):
-        """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level."""
+    def _search(self, bs: int, n: int, rows: dict):
+        """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level; `rows`
+        as `_metas` makes them."""
         head, drafter, k = self.head, self.drafter, self.topk
         embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
-        head_kv = head.config.model.num_kv_heads
         catch_slots = self.catch_slots[:bs].view(-1)
-        catch_pos = self.catch_pos[:bs].view(-1)
-        meta = self._rows_meta(bs, n, catch_slots, catch_pos + 1, self.width, head_kv)
+        meta = self._rows_meta(n, catch_slots, rows["catch_lens"], rows["catch_tables"], head.config.model.num_kv_heads)
         # [bs, H]: what the root's children are fed with, from each sequence's last catch-up row
-        state = head(embedding, drafter.taps[catch_slots], catch_pos, meta, drafter.kv_cache,
+        state = head(embedding, drafter.taps[catch_slots], self.catch_pos[:bs].view(-1), meta, drafter.kv_cache,
                      self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
         values, indices = log_softmax_topk(head.compute_logits(state), k)
         if self.fused:
-            return self._search_fused(bs, n, state, values, head.to_target_ids(indices))
+            return self._search_fused(bs, n, rows, state, values, indices)
         tokens, scores = [head.to_target_ids(indices)], [values]
         parents = [torch.full((bs, k), -1, dtype=torch.long, device=self.device)]
         frontier = torch.arange(k, device=self.device).expand(bs, k)  # candidates fed next
         fed_tokens, fed_scores = tokens[0], scores[0]
         fed_states = state[:, None, :].expand(bs, k, state.shape[-1])
         path = torch.empty(bs, k, 0, dtype=torch.long, device=self.device)  # head scratch slots of fed nodes' paths
-        fed_rows = self._fed_rows(bs, n)
         for level in range(1, self.depth):
             own = self.head_scratch[:bs, (level - 1) * k: level * k]
             path = torch.cat([path, own[..., None]], dim=-1)
-            out, values, indices = self._level_pass(bs, n, level, fed_rows, fed_states.reshape(bs * k, -1),
+            out, values, indices = self._level_pass(bs, n, level, rows, fed_states.reshape(bs * k, -1),
                                                     fed_tokens.reshape(-1), path.reshape(bs * k, level))
             child_scores = (fed_scores[..., None] + values.view(bs, k, k)).view(bs, k * k)
             child_tokens = head.to_target_ids(indices).view(bs, k * k)
@@ -292,44 +323,36 @@ class TreeGraphs(SpecGraphs):
             path = path.gather(1, parent[..., None].expand(-1, -1, level))
         return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
 
-    def _fed_rows(self, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What every level's fed rows share, made once (each graph kernel costs a launch's latency): their
-        positions at each level [depth - 1, bs * k] (level l's rows sit at root + l - 1), their roots as context
-        lengths in int32 [bs * k], and their page tables."""
-        fed_root = self.root_pos[:bs].repeat_interleave(self.topk)
-        positions = fed_root[None, :] + self.level_lens[: max(self.depth - 1, 1), :1]
-        return positions, fed_root.to(torch.int32), self.tables[n][:bs].repeat_interleave(self.topk, 0)
-
-    def _level_pass(self, bs: int, n: int, level: int, fed_rows: tuple, states: torch.Tensor, tokens: torch.Tensor,
+    def _level_pass(self, bs: int, n: int, level: int, rows: dict, states: torch.Tensor, tokens: torch.Tensor,
                     path: torch.Tensor):
         """The head over one level's fed rows (states [bs * k, H], tokens [bs * k], paths [bs * k, level] of head
         scratch slots, the last their own) -> (its output [bs * k, H], each row's k best children: log-probs and
         draft ids [bs * k, k])."""
         head, k = self.head, self.topk
-        fed_positions, fed_context, fed_tables = fed_rows
         own = self.head_scratch[:bs, (level - 1) * k: level * k]
-        meta = self._rows_meta(bs, n, own.reshape(-1), fed_context, k, head.config.model.num_kv_heads, path,
-                               self.level_lens[level, : bs * k], shared=True, tables=fed_tables)
-        out = head(self.target.embed_tokens.weight, states, fed_positions[level - 1], meta, self.drafter.kv_cache,
+        meta = self._rows_meta(n, own.reshape(-1), rows["fed_lens"], rows["fed_tables"], head.config.model.num_kv_heads,
+                               path, self.level_lens[level, : bs * k], per_seq=k)
+        out = head(self.target.embed_tokens.weight, states, rows["fed_pos"][level - 1], meta, self.drafter.kv_cache,
                    tokens)
         return (out, *log_softmax_topk(head.compute_logits(out), k))
 
-    def _search_fused(self, bs: int, n: int, state: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor):
-        """`_search` after the head's catch-up, with each level's bookkeeping in one kernel
+    def _search_fused(self, bs: int, n: int, rows: dict, state: torch.Tensor, values: torch.Tensor,
+                      indices: torch.Tensor):
+        """`_search` after the head's catch-up (its state [bs, H] and top-k: log-probs and draft ids [bs, k]), with
+        the first level's bookkeeping in one kernel (triton_tree.root_children) and each further level's in one
         (triton_tree.expand_level); the same candidates, in static buffers."""
         from specserve.engine import triton_tree
 
         k = self.topk
         candidates = {name: buffer[:bs] for name, buffer in self.candidates.items()}
-        candidates["tokens"][:, :k] = tokens
-        candidates["scores"][:, :k] = values
-        fed = {"tokens": tokens, "scores": values, "frontier": self.first_frontier[:bs],
-               "states": state.repeat_interleave(k, dim=0),
-               "path": None if self.first_path is None else self.first_path[: bs * k]}
-        fed_rows = self._fed_rows(bs, n)
         d2t = getattr(self.head, "d2t", None)
+        first = self.fed_sets[0]  # level 1 reads it and writes the other set
+        fed = {"tokens": first["tokens"][:bs], "scores": first["scores"][:bs], "states": first["states"][: bs * k],
+               "frontier": self.first_frontier[:bs],
+               "path": None if self.first_path is None else self.first_path[: bs * k]}
+        triton_tree.root_children(values, indices, d2t, state, candidates, fed)
         for level in range(1, self.depth):
-            out, values, indices = self._level_pass(bs, n, level, fed_rows, fed["states"], fed["tokens"].reshape(-1),
+            out, values, indices = self._level_pass(bs, n, level, rows, fed["states"], fed["tokens"].reshape(-1),
                                                     fed["path"])
             last = level == self.depth - 1
             sets = self.fed_sets[level % 2]
@@ -376,9 +399,9 @@ class TreeGraphs(SpecGraphs):
                 "parent": parent, "depth": depth, "path": path, "in_tree": in_tree,
                 "slots": torch.cat([self.root_slots[:bs, None], self.target_scratch[:bs]], dim=1)}
 
-    def _verify(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
+    def _verify(self, bs: int, n: int, nodes: dict, rows: dict) -> torch.Tensor:
         """The target's argmax after every node [bs, N + 1]; stores the nodes' KV and taps in their slots."""
-        return argmax(self._verify_logits(bs, n, nodes))
+        return argmax(self._verify_logits(bs, n, nodes, rows))
 
     def _verify_rows(self, bs: int, nodes: dict) -> dict:
         """What each of the verify's rows [bs * (N + 1)] reads besides its node: its tail (its path's slots,
@@ -391,12 +414,13 @@ class TreeGraphs(SpecGraphs):
                 "tail_lens": nodes["depth"].reshape(-1).to(torch.int32),
                 "positions": (root_pos[:, None] + nodes["depth"]).view(-1)}
 
-    def _verify_logits(self, bs: int, n: int, nodes: dict) -> torch.Tensor:
-        """The target's logits after every node [bs, N + 1, V]; stores the nodes' KV and taps in their slots."""
+    def _verify_logits(self, bs: int, n: int, nodes: dict, step_rows: dict) -> torch.Tensor:
+        """The target's logits after every node [bs, N + 1, V]; stores the nodes' KV and taps in their slots.
+        `step_rows` as `_metas` makes them."""
         width = self.num_drafts + 1
         rows = nodes["verify_rows"] if "verify_rows" in nodes else self._verify_rows(bs, nodes)
-        meta = self._rows_meta(bs, n, nodes["slots"].reshape(-1), rows["seq_lens"], width,
-                               self.target.config.num_kv_heads, rows["tails"], rows["tail_lens"], shared=True,
+        meta = self._rows_meta(n, nodes["slots"].reshape(-1), rows["seq_lens"], step_rows["verify_tables"],
+                               self.target.config.num_kv_heads, rows["tails"], rows["tail_lens"], per_seq=width,
                                closed=True)
         hidden, captured = self.target(nodes["tokens"].reshape(-1), rows["positions"], meta, self.kv_cache,
                                        self.drafter.capture_layers)
@@ -455,5 +479,6 @@ class TreeGraphs(SpecGraphs):
         self._move_slots(src, dst)
 
     def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In PyTorch: the CPU path, and the reference of the fused move (triton_tree.move_slots)."""
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
         self.drafter.move_slots(src, dst)

@@ -279,3 +279,132 @@ def accept_tree(nodes: dict, best: torch.Tensor, forced: torch.Tensor | None, re
         DEPTH=depth, W_PAD=triton.next_power_of_2(depth + 2), FORCE=forced is not None,
     )
     return packed, src, dst
+
+
+@triton.jit
+def _copy_table_rows(TABLE, OUT, stride_table, stride_out, b, pages, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+                     PAGE_BLOCK: tl.constexpr):
+    """Sequence b's page table as each of its ROWS rows' own (rows b * ROWS..)."""
+    r = tl.arange(0, ROWS_PAD)[:, None]
+    for p0 in range(0, pages, PAGE_BLOCK):
+        p = p0 + tl.arange(0, PAGE_BLOCK)
+        row = tl.load(TABLE + b * stride_table + p, mask=p < pages, other=0)
+        tl.store(OUT + (b * ROWS + r) * stride_out + p[None, :], tl.broadcast_to(row[None, :], (ROWS_PAD, PAGE_BLOCK)),
+                 mask=(r < ROWS) & (p < pages)[None, :])
+
+
+@triton.jit
+def _step_rows_kernel(CATCH_POS, ROOT_POS, TABLE, CATCH_LENS, CATCH_TABLES, FED_POS, FED_LENS, FED_TABLES,
+                      VERIFY_TABLES, stride_table, stride_catch_table, stride_fed_table, stride_verify_table,
+                      stride_level, pages, W: tl.constexpr, W_PAD: tl.constexpr, K: tl.constexpr,
+                      K_PAD: tl.constexpr, LEVELS: tl.constexpr, N1: tl.constexpr, N1_PAD: tl.constexpr,
+                      PAGE_BLOCK: tl.constexpr):
+    """Sequence b's attention inputs of a tree step that follow from its positions: see step_rows."""
+    b = tl.program_id(0)
+    j = tl.arange(0, W_PAD)
+    pos = tl.load(CATCH_POS + b * W + j, mask=j < W, other=0)
+    tl.store(CATCH_LENS + b * W + j, (pos + 1).to(tl.int32), mask=j < W)
+    root = tl.load(ROOT_POS + b)
+    r = tl.arange(0, K_PAD)
+    tl.store(FED_LENS + b * K + r, (root + 0 * r).to(tl.int32), mask=r < K)
+    for level in tl.static_range(LEVELS):
+        tl.store(FED_POS + level * stride_level + b * K + r, root + level + 0 * r, mask=r < K)
+    _copy_table_rows(TABLE, CATCH_TABLES, stride_table, stride_catch_table, b, pages, W, W_PAD, PAGE_BLOCK)
+    _copy_table_rows(TABLE, FED_TABLES, stride_table, stride_fed_table, b, pages, K, K_PAD, PAGE_BLOCK)
+    _copy_table_rows(TABLE, VERIFY_TABLES, stride_table, stride_verify_table, b, pages, N1, N1_PAD, PAGE_BLOCK)
+
+
+def step_rows(catch_pos: torch.Tensor, root_pos: torch.Tensor, table: torch.Tensor, out: dict) -> None:
+    """`TreeGraphs._step_rows` in one kernel: from the catch-up rows' positions [bs, W], the roots' [bs] and the
+    page tables [bs, pages] int32, writes `out`'s catch_lens [bs * W] int32, catch_tables [bs * W, pages],
+    fed_pos [levels, bs * k] (level l's rows at root + l), fed_lens [bs * k] int32 (the roots), fed_tables
+    [bs * k, pages] and verify_tables [bs * (N + 1), pages]."""
+    bs, w = catch_pos.shape
+    k = out["fed_lens"].shape[0] // bs
+    n1 = out["verify_tables"].shape[0] // bs
+    assert catch_pos.is_contiguous() and root_pos.is_contiguous() and table.stride(1) == 1
+    assert out["catch_lens"].is_contiguous() and out["fed_lens"].is_contiguous() and out["fed_pos"].stride(1) == 1
+    tables = [out[name] for name in ("catch_tables", "fed_tables", "verify_tables")]
+    assert all(t.stride(1) == 1 and t.shape[1] == table.shape[1] for t in tables)
+    _step_rows_kernel[(bs,)](
+        catch_pos, root_pos, table, out["catch_lens"], out["catch_tables"], out["fed_pos"], out["fed_lens"],
+        out["fed_tables"], out["verify_tables"], table.stride(0),
+        *(t.stride(0) for t in tables), out["fed_pos"].stride(0), table.shape[1], W=w,
+        W_PAD=triton.next_power_of_2(w), K=k, K_PAD=max(2, triton.next_power_of_2(k)), LEVELS=out["fed_pos"].shape[0],
+        N1=n1, N1_PAD=triton.next_power_of_2(n1), PAGE_BLOCK=64,
+    )
+
+
+@triton.jit
+def _root_children_kernel(VALUES, INDICES, D2T, STATE, CAND_TOKENS, CAND_SCORES, FED_TOKENS, FED_SCORES,
+                          FED_STATES, stride_values, stride_state, stride_cand, hidden, K: tl.constexpr,
+                          K_PAD: tl.constexpr, HAS_D2T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One sequence: the root's k best children as candidates 0..k-1 and as the first level's fed rows."""
+    b = tl.program_id(0)
+    r = tl.arange(0, K_PAD)
+    ok = r < K
+    value = tl.load(VALUES + b * stride_values + r, mask=ok, other=0.0)
+    index = tl.load(INDICES + b * stride_values + r, mask=ok, other=0)
+    if HAS_D2T:
+        index += tl.load(D2T + index, mask=ok, other=0)
+    tl.store(CAND_TOKENS + b * stride_cand + r, index, mask=ok)
+    tl.store(CAND_SCORES + b * stride_cand + r, value, mask=ok)
+    tl.store(FED_TOKENS + b * K + r, index, mask=ok)
+    tl.store(FED_SCORES + b * K + r, value, mask=ok)
+    rows = (b * K + r).to(tl.int64)
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        state = tl.load(STATE + b * stride_state + h, mask=h < hidden)
+        tl.store(FED_STATES + rows[:, None] * hidden + h[None, :], tl.broadcast_to(state[None, :], (K_PAD, BLOCK_H)),
+                 mask=ok[:, None] & (h < hidden)[None, :])
+
+
+def root_children(values: torch.Tensor, indices: torch.Tensor, d2t, state: torch.Tensor, candidates: dict,
+                  fed: dict) -> None:
+    """The search's first level in one kernel: the root's children (log-probs and draft ids [bs, k], best first;
+    `d2t` maps draft ids to the target's, or None) become candidates 0..k-1 (tokens, scores), and are fed next,
+    in that order: `fed`'s tokens and scores [bs, k], and the root's state [bs, H] once per child ([bs * k, H])."""
+    bs, k = values.shape
+    assert values.stride() == indices.stride() and values.stride(1) == 1 and state.stride(1) == 1
+    assert candidates["tokens"].stride() == candidates["scores"].stride() and candidates["tokens"].stride(1) == 1
+    assert all(fed[name].is_contiguous() for name in ("tokens", "scores", "states"))
+    _root_children_kernel[(bs,)](
+        values, indices, d2t if d2t is not None else indices, state, candidates["tokens"], candidates["scores"],
+        fed["tokens"], fed["scores"], fed["states"], values.stride(0), state.stride(0),
+        candidates["tokens"].stride(0), state.shape[1], K=k, K_PAD=max(2, triton.next_power_of_2(k)),
+        HAS_D2T=d2t is not None, BLOCK_H=1024,
+    )
+
+
+@triton.jit
+def _move_kernel(KV, TAPS, SRC, DST, pad_slot, stride_plane, row, taps_row, PLANES: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """One (source, destination) pair and one plane of the KV (a layer's keys or values), or the taps (the plane
+    past the last): the source slot's row copied to the destination's. Pairs from the padding slot move nothing."""
+    pair = tl.program_id(0)
+    plane = tl.program_id(1)
+    src = tl.load(SRC + pair)
+    if src != pad_slot:
+        dst = tl.load(DST + pair)
+        if plane < PLANES:
+            base, width = KV + plane.to(tl.int64) * stride_plane, row
+        else:
+            base, width = TAPS, taps_row
+        for e0 in range(0, width, BLOCK):
+            e = e0 + tl.arange(0, BLOCK)
+            values = tl.load(base + src * width + e, mask=e < width)
+            tl.store(base + dst * width + e, values, mask=e < width)
+
+
+def move_slots(kv_cache: torch.Tensor, taps: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, pad_slot: int
+               ) -> None:
+    """TreeGraphs._move_slots in one kernel: kv_cache [L, 2, slots, ...] and taps [slots, H] at slots src [P]
+    copied to dst [P], pairs whose source is the padding slot left out (the PyTorch form copies the padding slot
+    onto itself there). Sources and destinations must be apart."""
+    assert kv_cache.is_contiguous() and taps.is_contiguous() and src.is_contiguous() and dst.is_contiguous()
+    planes = kv_cache.shape[0] * kv_cache.shape[1]
+    row = kv_cache[0, 0, 0].numel()
+    _move_kernel[(src.numel(), planes + 1)](
+        kv_cache, taps, src, dst, pad_slot, kv_cache.stride(1), row, taps.shape[1], PLANES=planes,
+        BLOCK=min(4096, triton.next_power_of_2(max(row, taps.shape[1]))),
+    )
