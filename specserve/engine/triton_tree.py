@@ -8,6 +8,11 @@ tree (ranks, node numbers, parents, paths) takes ~35 more, and accepting a greed
 an H200 each pays a launch's latency (~1.8 us). Here one program per sequence does a level, one the selection,
 and one the acceptance. Rankings compare every pair of candidates, so ties keep the earlier candidate, as a
 stable sort does.
+
+Three more kernels take what was left of the step's small PyTorch operations: the row inputs that follow from
+the step's positions (`step_rows`, ~8 operations), the search's first level (`root_children`, ~5) and the move
+of the accepted nodes' KV and taps (`move_slots`, 4). On the H200 the batch-1 tree step took 5.17 ms with them
+against 5.29 without.
 """
 from __future__ import annotations
 
@@ -402,6 +407,7 @@ def move_slots(kv_cache: torch.Tensor, taps: torch.Tensor, src: torch.Tensor, ds
     copied to dst [P], pairs whose source is the padding slot left out (the PyTorch form copies the padding slot
     onto itself there). Sources and destinations must be apart."""
     assert kv_cache.is_contiguous() and taps.is_contiguous() and src.is_contiguous() and dst.is_contiguous()
+    assert kv_cache.dtype == taps.dtype  # one kernel copies both
     planes = kv_cache.shape[0] * kv_cache.shape[1]
     row = kv_cache[0, 0, 0].numel()
     _move_kernel[(src.numel(), planes + 1)](
