@@ -162,8 +162,8 @@ _TREE_SEARCH_IN_INTERPRETER = """
 from conftest import (check_tree_accept, check_tree_expand, check_tree_move, check_tree_root_children,
                       check_tree_select, check_tree_step_rows)
 from gemv_interpreter_check import interpreter_range
-from specserve.engine import triton_tree
-triton_tree.range = interpreter_range
+from specserve.engine import triton_follow, triton_tree
+triton_tree.range = triton_follow.range = interpreter_range
 check_tree_select("cpu")
 check_tree_accept("cpu")
 check_tree_step_rows("cpu")
@@ -187,9 +187,9 @@ from conftest import count_accepted, write_peaked_random_head
 from gemv_interpreter_check import interpreter_range
 from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
 from specserve.config import SpecConfig
-from specserve.engine import factory, triton_tree
+from specserve.engine import factory, triton_follow, triton_tree
 from specserve.engine.factory import build_engine_core
-triton_tree.range = interpreter_range
+triton_tree.range = triton_follow.range = interpreter_range
 factory.TREE_PROGRAM_ON_CPU = True
 from pathlib import Path
 path, head = Path({path!r}), Path({head!r})

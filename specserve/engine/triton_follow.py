@@ -114,6 +114,18 @@ def _row_lens_and_tails(POS, SLOTS, LENS, TAILS, b, W: tl.constexpr, W_P2: tl.co
 
 
 @triton.jit
+def copy_table_rows(TABLE, OUT, stride_table, stride_out, b, pages, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+                    PAGE_BLOCK: tl.constexpr):
+    """Sequence b's page table as each of its ROWS rows' own (rows b * ROWS.. of OUT)."""
+    r = tl.arange(0, ROWS_PAD)[:, None]
+    for p0 in range(0, pages, PAGE_BLOCK):
+        p = p0 + tl.arange(0, PAGE_BLOCK)
+        row = tl.load(TABLE + b * stride_table + p, mask=p < pages, other=0)
+        tl.store(OUT + (b * ROWS + r) * stride_out + p[None, :], tl.broadcast_to(row[None, :], (ROWS_PAD, PAGE_BLOCK)),
+                 mask=(r < ROWS) & (p < pages)[None, :])
+
+
+@triton.jit
 def _chain_rows_kernel(TABLE, ROW_TABLE, ROOT_IDS, VERIFY_IDS, CATCH_POS, CATCH_SLOTS, CATCH_LENS, CATCH_TAILS,
                        VERIFY_POS, VERIFY_SLOTS, VERIFY_LENS, VERIFY_TAILS, EXTEND_POS, EXTEND_LENS, stride_table,
                        stride_row_table, stride_level, stride_lens_level, pages, W: tl.constexpr,
@@ -127,13 +139,7 @@ def _chain_rows_kernel(TABLE, ROW_TABLE, ROOT_IDS, VERIFY_IDS, CATCH_POS, CATCH_
     i = tl.arange(0, MORE_P2)
     extend = tl.load(EXTEND_POS + i * stride_level + b, mask=i < MORE, other=0)
     tl.store(EXTEND_LENS + i * stride_lens_level + b, (extend + 1).to(tl.int32), mask=i < MORE)
-    # The sequence's page table once for each of its rows.
-    r = tl.arange(0, W_P2)[:, None]
-    for p0 in range(0, pages, PAGE_BLOCK):
-        p = p0 + tl.arange(0, PAGE_BLOCK)
-        row = tl.load(TABLE + b * stride_table + p, mask=p < pages, other=0)
-        tl.store(ROW_TABLE + (b * W + r) * stride_row_table + p[None, :],
-                 tl.broadcast_to(row[None, :], (W_P2, PAGE_BLOCK)), mask=(r < W) & (p < pages)[None, :])
+    copy_table_rows(TABLE, ROW_TABLE, stride_table, stride_row_table, b, pages, W, W_P2, PAGE_BLOCK)
 
 
 def chain_rows(program, bs: int, n: int, shared: bool) -> None:

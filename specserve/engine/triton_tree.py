@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.engine.triton_follow import copy_table_rows
+
 # SPECSERVE_FUSED_SEARCH=0 is the A/B switch back to the PyTorch form on a GPU.
 ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
 # The rankings compare every pair of candidates in one program: searches with more candidates than this keep the
@@ -287,18 +289,6 @@ def accept_tree(nodes: dict, best: torch.Tensor, forced: torch.Tensor | None, re
 
 
 @triton.jit
-def _copy_table_rows(TABLE, OUT, stride_table, stride_out, b, pages, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
-                     PAGE_BLOCK: tl.constexpr):
-    """Sequence b's page table as each of its ROWS rows' own (rows b * ROWS..)."""
-    r = tl.arange(0, ROWS_PAD)[:, None]
-    for p0 in range(0, pages, PAGE_BLOCK):
-        p = p0 + tl.arange(0, PAGE_BLOCK)
-        row = tl.load(TABLE + b * stride_table + p, mask=p < pages, other=0)
-        tl.store(OUT + (b * ROWS + r) * stride_out + p[None, :], tl.broadcast_to(row[None, :], (ROWS_PAD, PAGE_BLOCK)),
-                 mask=(r < ROWS) & (p < pages)[None, :])
-
-
-@triton.jit
 def _step_rows_kernel(CATCH_POS, ROOT_POS, TABLE, CATCH_LENS, CATCH_TABLES, FED_POS, FED_LENS, FED_TABLES,
                       VERIFY_TABLES, stride_table, stride_catch_table, stride_fed_table, stride_verify_table,
                       stride_level, pages, W: tl.constexpr, W_PAD: tl.constexpr, K: tl.constexpr,
@@ -314,9 +304,9 @@ def _step_rows_kernel(CATCH_POS, ROOT_POS, TABLE, CATCH_LENS, CATCH_TABLES, FED_
     tl.store(FED_LENS + b * K + r, (root + 0 * r).to(tl.int32), mask=r < K)
     for level in tl.static_range(LEVELS):
         tl.store(FED_POS + level * stride_level + b * K + r, root + level + 0 * r, mask=r < K)
-    _copy_table_rows(TABLE, CATCH_TABLES, stride_table, stride_catch_table, b, pages, W, W_PAD, PAGE_BLOCK)
-    _copy_table_rows(TABLE, FED_TABLES, stride_table, stride_fed_table, b, pages, K, K_PAD, PAGE_BLOCK)
-    _copy_table_rows(TABLE, VERIFY_TABLES, stride_table, stride_verify_table, b, pages, N1, N1_PAD, PAGE_BLOCK)
+    copy_table_rows(TABLE, CATCH_TABLES, stride_table, stride_catch_table, b, pages, W, W_PAD, PAGE_BLOCK)
+    copy_table_rows(TABLE, FED_TABLES, stride_table, stride_fed_table, b, pages, K, K_PAD, PAGE_BLOCK)
+    copy_table_rows(TABLE, VERIFY_TABLES, stride_table, stride_verify_table, b, pages, N1, N1_PAD, PAGE_BLOCK)
 
 
 def step_rows(catch_pos: torch.Tensor, root_pos: torch.Tensor, table: torch.Tensor, out: dict) -> None:
