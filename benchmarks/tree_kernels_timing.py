@@ -19,27 +19,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import _tree_candidates, _tree_program, check_tree_accept, check_tree_select  # noqa: E402
 
+from profile_gpu_step import cuda_ms  # noqa: E402
+from spec_step_parts import graphed  # noqa: E402
 from specserve.engine import triton_tree  # noqa: E402
 
 K, DEPTH, N = 4, 5, 15
 
 
 def per_call_us(fn, calls: int = 20, replays: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / replays / calls
+    replay, _ = graphed(lambda: [fn() for _ in range(calls)])
+    return cuda_ms(replay, replays) * 1000 / calls
 
 
 def load_module(path: str):

@@ -29,8 +29,8 @@ ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
 # The rankings compare every pair of candidates in one program: searches with more candidates than this keep the
 # PyTorch form (the top-4, 5-level tree has 68).
 MAX_CANDIDATES = 256
-# One selection took 9.2 us at 4 warps and 7.8 at 8 in a graph of copies on an H200 (18.8 before its paths were
-# walked among the nodes; both before it also wrote the verify's rows); in the tree step the two warp counts tie.
+# One selection takes 9.6 us at 4 warps and 9.1 at 8 in a graph of copies on an H200 (19.0 before its paths were
+# walked among the nodes and it wrote the verify's rows); in the tree step the two warp counts tie.
 SELECT_WARPS = int(os.environ.get("SPECSERVE_SELECT_WARPS", "8"))
 
 
