@@ -72,7 +72,7 @@ def chain_parts(program, n: int) -> dict:
 
 
 def tree_parts(program, n: int) -> dict:
-    rows = program._metas(1, n)  # static buffers: the whole step's graph rewrites them the same
+    rows = program._metas(1, n)  # the step's row inputs, made once for the parts' graphs
     search, nodes = graphed(lambda: program._select(1, *program._search(1, n, rows)))
     verify, _ = graphed(lambda: program._verify(1, n, nodes, rows))
     whole, _ = graphed(lambda: program._step(1, n, program.forced[:1]))

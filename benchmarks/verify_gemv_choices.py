@@ -132,11 +132,11 @@ def main() -> None:
             def verify_step():
                 return program._verify(1, metas["verify"])
         else:
-            rows = program._metas(1, n)
-            _, nodes = graphed(lambda: program._select(1, *program._search(1, n, rows)))
+            step_rows = program._metas(1, n)
+            _, nodes = graphed(lambda: program._select(1, *program._search(1, n, step_rows)))
 
             def verify_step():
-                return program._verify(1, n, nodes, rows)
+                return program._verify(1, n, nodes, step_rows)
         plain_ms = cuda_ms(plain_step(engine.runner, args.context, BASE.cache.page_size), args.repeats)
 
         def verify_ms(decisions: dict) -> float:
