@@ -485,6 +485,7 @@ def check_tree_move(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(kv_on.cpu(), expected.kv_cache) and torch.equal(taps_on.cpu(), expected.drafter.taps)
         assert not torch.equal(kv_on.cpu(), kv)  # something moved
 
+
 def check_argmax(device: str, dtype: torch.dtype) -> None:
     """The argmax kernels (layers/triton_argmax.py) against torch.argmax: vocabularies of one block, of many and
     not a multiple of the block, a row stride wider than the row, ties at the top across blocks, a NaN, a row of
