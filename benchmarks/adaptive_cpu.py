@@ -47,7 +47,7 @@ def main() -> None:
     from specserve.bench.datasets import mt_bench_first_turns
     from specserve.bench.decode import hardware_info
     from specserve.config import SpecConfig
-    from specserve.sampling_params import SamplingParams
+    from specserve.core import SamplingParams
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])

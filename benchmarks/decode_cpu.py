@@ -15,7 +15,7 @@ import torch
 
 from specserve.cli import build_parser, engine_config
 from specserve.bench.decode import make_prompts
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 PROFILE_STEPS = 32
 

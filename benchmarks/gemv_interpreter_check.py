@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from specserve.layers import triton_gemv
-from specserve.layers.gemv_choices import Tile
+from specserve.kernels.triton import gemv as triton_gemv
+from specserve.kernels.tuning.choices import Tile
 from specserve.layers.linear import quantize_fp8_rows
 
 # fp16 inputs and outputs, fp32 accumulation: one fp16 step is ~1e-3 of a value (0.004 at 4-8; the gate/up

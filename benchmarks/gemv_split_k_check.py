@@ -13,8 +13,8 @@ import json
 import torch
 
 from specserve.bench.decode import hardware_info
-from specserve.layers import triton_gemv
-from specserve.layers.gemv_choices import Tile
+from specserve.kernels.triton import gemv as triton_gemv
+from specserve.kernels.tuning.choices import Tile
 from specserve.layers.linear import quantize_fp8_rows
 
 CASES = [((4096, 14336), Tile(32, 256, 4, 4, split_k=4)), ((6144, 8192), Tile(32, 256, 4, 4, split_k=2)),

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.bench.decode import hardware_info
-from specserve.layers import triton_gemv, triton_pointwise
-from specserve.layers.gemv_choices import Tile
+from specserve.kernels.triton import gemv as triton_gemv, pointwise as triton_pointwise
+from specserve.kernels.tuning.choices import Tile
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

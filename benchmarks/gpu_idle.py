@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from specserve.bench.decode import hardware_info, make_prompts
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from specserve.llm import LLM
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 
 def kernel_intervals(prof) -> list[tuple[float, float]]:

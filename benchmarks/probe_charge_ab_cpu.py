@@ -38,7 +38,7 @@ def main() -> None:
     from specserve.bench.datasets import mt_bench_first_turns
     from specserve.bench.decode import hardware_info
     from specserve.config import SpecConfig
-    from specserve.sampling_params import SamplingParams
+    from specserve.core import SamplingParams
 
     spec = SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), draft_heads.SMOLLM2_DEFAULT_STEPS, adaptive=True)
     engines = {"none": build(SpecConfig()), "charged": build(spec), "not charged": build(spec)}

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from specserve.config import EngineConfig, SchedulerConfig, SpecConfig
 from specserve.llm import LLM
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 
 def sync() -> None:

@@ -130,7 +130,7 @@ def gemv_bandwidth(model) -> list[dict]:
     copy_dst = torch.empty_like(copy_src)
     copy_gb_s = 2 * copy_src.numel() / cuda_ms(lambda: copy_dst.copy_(copy_src), 20) / 1e6
     rows = [{"what": "copy 1 GiB", "gb_s": round(copy_gb_s)}]
-    from specserve.layers import triton_gemv
+    from specserve.kernels.triton import gemv as triton_gemv
 
     gb = lambda w, us: round(w.numel() * w.element_size() / us / 1e3)  # noqa: E731
     for name, weight in shapes.items():
@@ -150,8 +150,8 @@ def gemv_bandwidth(model) -> list[dict]:
 
 def attention_tiles(kv_cache, heads: int, batch: int, context: int, page_size: int) -> list[dict]:
     """The paged decode attention kernel of one layer under a few tile settings (graph-timed)."""
-    from specserve.layers.triton_attention import num_splits, paged_decode_attention
-    from specserve.layers.triton_gemv import graph_time
+    from specserve.kernels.triton.attention import num_splits, paged_decode_attention
+    from specserve.kernels.triton.gemv import graph_time
 
     layer_cache = kv_cache[0]
     pages = -(-(context + 1) // page_size)

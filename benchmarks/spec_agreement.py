@@ -69,7 +69,7 @@ def main() -> None:
     from specserve.bench.decode import hardware_info
     from specserve.config import EngineConfig, SpecConfig
     from specserve.engine.factory import build_engine_core
-    from specserve.sampling_params import SamplingParams
+    from specserve.core import SamplingParams
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path", default=None,

@@ -23,7 +23,7 @@ from profile_gpu_step import top_kernels
 from specserve.bench.decode import hardware_info, make_prompts
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specserve.engine.factory import build_engine_core
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 BASE = EngineConfig(model_path="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device="cuda",
                     context_length=2048, cache=CacheConfig(max_total_tokens=300_000),
@@ -149,11 +149,11 @@ def main() -> None:
     plain = {r["batch_size"]: r["decode_tok_s"] for r in rows if r["setup"] == "plain"}
     for r in rows:
         r["ratio_to_plain"] = r["decode_tok_s"] / plain[r["batch_size"]]
-    from specserve.layers import triton_gemv
+    from specserve.kernels.triton import gemv as triton_gemv
 
     gemv = triton_gemv.choice.report()
     if args.save_choices:
-        from specserve.layers import gemv_choices
+        from specserve.kernels.tuning import choices as gemv_choices
 
         timed = {key: tile for key, tile in triton_gemv.choice.best.items() if key in triton_gemv.choice.timings}
         gemv_choices.save(timed, args.save_choices, torch.cuda.get_device_name())

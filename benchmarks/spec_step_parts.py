@@ -131,7 +131,7 @@ def main() -> None:
         results[name] = measure(spec, args.context, args.repeats, args.kernels)
         print(name, {k: v for k, v in results[name].items()
                     if k == "critical_path_groups" or ("kernel" not in k and "critical" not in k)}, flush=True)
-    from specserve.layers import triton_gemv
+    from specserve.kernels.triton import gemv as triton_gemv
 
     gemv = triton_gemv.choice.report()
     report = {"benchmark": "spec_step_parts", "unit": "ms of device time per replay", "hardware": hardware_info(),

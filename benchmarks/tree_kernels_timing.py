@@ -21,7 +21,7 @@ from conftest import _tree_candidates, _tree_program, check_tree_accept, check_t
 
 from profile_gpu_step import cuda_ms  # noqa: E402
 from spec_step_parts import graphed  # noqa: E402
-from specserve.engine import triton_tree  # noqa: E402
+from specserve.kernels.triton import tree as triton_tree# noqa: E402
 
 K, DEPTH, N = 4, 5, 15
 

@@ -31,7 +31,7 @@ from spec_step_parts import place_at as place_at_context
 from specserve.bench.decode import hardware_info
 from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
-from specserve.layers import triton_attention
+from specserve.kernels.triton import attention as triton_attention
 
 TREE = SpecConfig("EAGLE3", None, 5, 4, 16, simulate_accept_len=4.0, draft_model_quantization="fp8")
 # name -> (tails as one block, fused search)

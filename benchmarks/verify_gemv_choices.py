@@ -28,8 +28,9 @@ from profile_gpu_step import cuda_ms
 from spec_step_parts import BASE, CHAIN, TREE, graphed, place_at, plain_step
 from specserve.bench.decode import hardware_info
 from specserve.engine.factory import build_engine_core
-from specserve.layers import gemv_choices, triton_gemv
-from specserve.layers.triton_gemv import Tile
+from specserve.kernels.tuning import choices as gemv_choices
+from specserve.kernels.triton import gemv as triton_gemv
+from specserve.kernels.triton.gemv import Tile
 
 ROWS = {"chain": 4, "tree": 16}  # the row bucket of each setup's batch-1 verify
 

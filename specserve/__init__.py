@@ -1,5 +1,5 @@
 """specserve: an LLM serving engine built around speculative decoding that is never a loss."""
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -311,7 +311,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
-    from specserve.sampling_params import SamplingParams
+    from specserve.core import SamplingParams
 
     llm = LLM(config=engine_config(args, bundled_head=True), progress=True)
     prompts = args.prompts

@@ -8,7 +8,7 @@ from typing import Sequence
 from specserve.config import EngineConfig
 from specserve.engine.factory import build_engine_core, freeze_startup_objects
 from specserve.engine.output import OutputTracker, RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 
 def load_tokenizer(tokenizer_dir):

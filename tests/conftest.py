@@ -87,7 +87,7 @@ def random_eagle3_head(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """The embedded SmolLM2-135M-Instruct, converted from its GGUF once per test session."""
-    from specserve.models.gguf_convert import cached_conversion, find_embedded_gguf
+    from specserve.models.gguf import cached_conversion, find_embedded_gguf
 
     return cached_conversion(find_embedded_gguf(), tmp_path_factory.getbasetemp() / "specserve-cache")
 
@@ -183,7 +183,7 @@ def watch_drafting_paths(engine) -> tuple[list[bool], list]:
 def run_mixed_sampling(engine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
     """Requests in turn greedy, sampled with top-k 1 (greedy in effect) and sampled in full, none seeded, all
     added at once; returns their outputs in order."""
-    from specserve.sampling_params import SamplingParams
+    from specserve.core import SamplingParams
 
     kinds = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
              SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=1, ignore_eos=True),
@@ -203,7 +203,7 @@ def check_tail_attention(device: str, dtype: torch.dtype, splits: int, rows_per_
     scattered slots: none, one, many) against the PyTorch form of the same contract, computed in fp32 on the CPU.
     With rows_per_seq > 1, runs of rows share a sequence's context. On a GPU, or in Triton's interpreter."""
     from specserve.layers.attention import AttentionMetadata, attend_rows
-    from specserve.layers.triton_attention import paged_decode_attention
+    from specserve.kernels.triton.attention import paged_decode_attention
 
     torch.manual_seed(0)
     page, rows = 16, 6
@@ -227,9 +227,9 @@ def check_closed_tail_attention(device: str, dtype: torch.dtype, splits: int, to
     """Verified trees (runs of rows sharing a context, each row's tail its ancestors' slots and its own) with
     the tails attended as one block per run (`closed_tails`), against the PyTorch form of the per-row contract in
     fp32 on the CPU. On a GPU, or in Triton's interpreter."""
-    from specserve.layers import triton_attention
+    from specserve.kernels.triton import attention as triton_attention
     from specserve.layers.attention import AttentionMetadata, attend_rows
-    from specserve.layers.triton_attention import paged_decode_attention
+    from specserve.kernels.triton.attention import paged_decode_attention
 
     torch.manual_seed(1)
     page, per_seq, depth = 16, 9, 4
@@ -290,7 +290,7 @@ def _tree_program(bs: int, k: int, depth: int, n: int):
     over `depth` levels: limits that keep all, some and one of the N best, roots, and scratch and real slots."""
     from types import SimpleNamespace
 
-    from specserve.engine.tree_graphs import candidate_depths
+    from specserve.speculative.programs.tree import candidate_depths
 
     return SimpleNamespace(
         num_drafts=n, device=torch.device("cpu"), depth=depth, fused=False, pad_slot=9999,
@@ -303,8 +303,8 @@ def _tree_program(bs: int, k: int, depth: int, n: int):
 def check_tree_select(device: str) -> None:
     """triton_tree.select_nodes against TreeGraphs._select's PyTorch form: every output equal (the verify's rows
     too: `_verify_rows`), with tied scores, and limits that keep all, some and one of the N best."""
-    from specserve.engine import triton_tree
-    from specserve.engine.tree_graphs import TreeGraphs
+    from specserve.kernels.triton import tree as triton_tree
+    from specserve.speculative.programs.tree import TreeGraphs
 
     generator = torch.Generator().manual_seed(3)
     for k, depth, n in ((4, 5, 15), (2, 3, 5), (3, 4, 20), (4, 1, 3)):
@@ -327,9 +327,9 @@ def check_tree_select(device: str) -> None:
 def check_tree_accept(device: str) -> None:
     """triton_tree.accept_tree against TreeGraphs' PyTorch forms (`_leaf`, `_emit`, `_packed`, and the slots
     `_move_accepted` moves): greedy, with a path matched to a random depth in each tree, and forced (simulated)."""
-    from specserve.engine import triton_tree
-    from specserve.engine.chain_graphs import _packed
-    from specserve.engine.tree_graphs import TreeGraphs
+    from specserve.kernels.triton import tree as triton_tree
+    from specserve.speculative.programs.chain import _packed
+    from specserve.speculative.programs.tree import TreeGraphs
 
     generator = torch.Generator().manual_seed(5)
     for k, depth, n in ((4, 5, 15), (2, 3, 5), (3, 4, 20), (4, 1, 3)):
@@ -366,7 +366,7 @@ def check_tree_accept(device: str) -> None:
 def check_tree_expand(device: str, dtype: torch.dtype) -> None:
     """triton_tree.expand_level against the PyTorch form of a search level (TreeGraphs._search): the children's
     candidates, and what is fed next (tokens, scores, candidate numbers, parents' states, paths), with ties."""
-    from specserve.engine import triton_tree
+    from specserve.kernels.triton import tree as triton_tree
 
     generator = torch.Generator().manual_seed(4)
     steps = torch.tensor([0.0, -0.5, -0.5, -1.0, -2.0])
@@ -416,8 +416,8 @@ def check_tree_step_rows(device: str) -> None:
     with page tables of a stride wider than their pages and page counts that do not fill the kernel's blocks."""
     from types import SimpleNamespace
 
-    from specserve.engine import triton_tree
-    from specserve.engine.tree_graphs import TreeGraphs
+    from specserve.kernels.triton import tree as triton_tree
+    from specserve.speculative.programs.tree import TreeGraphs
 
     generator = torch.Generator().manual_seed(6)
     for k, depth, num_drafts, pages in ((4, 5, 16, 70), (3, 1, 3, 5), (2, 3, 6, 129)):
@@ -440,7 +440,7 @@ def check_tree_step_rows(device: str) -> None:
 def check_tree_root_children(device: str, dtype: torch.dtype) -> None:
     """triton_tree.root_children against the PyTorch form of the search's first level (TreeGraphs._search): the
     root's children as the first candidates (and nothing past them), and fed next with the root's state."""
-    from specserve.engine import triton_tree
+    from specserve.kernels.triton import tree as triton_tree
 
     generator = torch.Generator().manual_seed(7)
     for k, hidden, mapped in ((4, 2500, True), (3, 64, False), (1, 5, True)):
@@ -467,9 +467,9 @@ def check_tree_move(device: str, dtype: torch.dtype) -> None:
     from the accepted nodes' scratch slots to their positions' slots), with pairs of padding slots among them."""
     from types import SimpleNamespace
 
-    from specserve.engine import triton_tree
-    from specserve.engine.tree_graphs import TreeGraphs
-    from specserve.spec.drafters import Eagle3Drafter
+    from specserve.kernels.triton import tree as triton_tree
+    from specserve.speculative.programs.tree import TreeGraphs
+    from specserve.speculative.drafters.base import Eagle3Drafter
 
     generator = torch.Generator().manual_seed(8)
     for layers, kv_heads, dim, hidden in ((3, 2, 8, 48), (2, 8, 128, 4096)):
@@ -491,7 +491,7 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
     not a multiple of the block, a row stride wider than the row, ties at the top across blocks, a NaN, a row of
     -inf, and leading dimensions [batch, rows]; and each pick mapped through offsets (a draft vocabulary's ids to
     the target's). On a GPU, or in Triton's interpreter."""
-    from specserve.layers.triton_argmax import argmax
+    from specserve.kernels.triton.argmax import argmax
 
     torch.manual_seed(0)
     for rows, vocab in ((1, 128256), (4, 32000), (17, 2048), (3, 70), (2, 5000)):
@@ -515,7 +515,8 @@ def check_rms_norm_pair(device: str, dtype: torch.dtype, tolerance: float) -> No
     """The two-norm kernel (layers/triton_pointwise.rms_norm_pair) against the eager norms and concatenation: rows
     of a width that is not a power of two, b a strided view, leading dimensions. On a GPU, or in Triton's
     interpreter."""
-    from specserve.layers import pointwise, triton_pointwise
+    from specserve.kernels import pointwise
+    from specserve.kernels.triton import pointwise as triton_pointwise
 
     torch.manual_seed(0)
     a = torch.randn(2, 3, 96, device=device).to(dtype) * 4
@@ -542,8 +543,8 @@ def check_accept_and_pack(device: str) -> None:
     matches (none, some, all), a mismatch after a match, limits below and above the matches, forced counts (also
     above the limit); a root read with a stride, as the program passes it; the copies a following step reads.
     On a GPU, or in Triton's interpreter."""
-    from specserve.engine.chain_graphs import _packed, accept_chain
-    from specserve.engine.triton_accept import accept_and_pack
+    from specserve.speculative.programs.chain import _packed, accept_chain
+    from specserve.kernels.triton.accept import accept_and_pack
 
     torch.manual_seed(0)
     for k in (1, 3, 5):
@@ -572,8 +573,8 @@ def check_chain_rows(device: str) -> None:
     GPU, or in Triton's interpreter."""
     from types import SimpleNamespace
 
-    from specserve.engine.chain_graphs import ChainGraphs
-    from specserve.engine.triton_follow import chain_rows
+    from specserve.speculative.programs.chain import ChainGraphs
+    from specserve.kernels.triton.follow import chain_rows
 
     torch.manual_seed(0)
     for k, bs, max_bs, pages in ((3, 3, 4, 70), (1, 2, 2, 5), (5, 1, 8, 129)):

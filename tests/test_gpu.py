@@ -9,7 +9,7 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 from conftest import (check_accept_and_pack, check_argmax, check_chain_rows, check_closed_tail_attention,
                       check_rms_norm_pair, check_tail_attention, check_tree_accept, check_tree_expand,
@@ -120,7 +120,7 @@ def test_eager_decode_rows_compile_nothing_after_warm_up():
     """Eager calls of the decode kernel (decode rows of steps with prompts, the head's catch-ups) vary the
     batch, the table width and the slice count at almost every step; after the startup warm-up none of
     that may compile a new form of the kernels inside a step (each took ~0.1 s)."""
-    from specserve.layers import triton_attention
+    from specserve.kernels.triton import attention as triton_attention
     from specserve.layers.attention import AttentionMetadata, attend
 
     page, heads, kv_heads, dim = 16, 32, 8, 128
@@ -200,7 +200,8 @@ def test_eagle3_taps_stored_by_graphed_steps_draft_like_eager_ones(tiny_checkpoi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_pointwise_kernels_match_the_eager_functions(dtype):
     """Rotary on strided q/k views, SiLU-and-multiply, and the KV store, against the eager reference."""
-    from specserve.layers import pointwise, triton_pointwise
+    from specserve.kernels import pointwise
+    from specserve.kernels.triton import pointwise as triton_pointwise
     from specserve.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
@@ -287,7 +288,7 @@ def test_graphed_steps_sample_seeded_rows_like_eager_steps(tiny_checkpoint):
 
 def test_placeholder_resolution_kernel_matches_the_torch_form():
     from specserve.engine.futures import FutureTokens
-    from specserve.layers.triton_pointwise import resolve_placeholders
+    from specserve.kernels.triton.pointwise import resolve_placeholders
 
     futures = FutureTokens(64, torch.device("cuda"))
     futures.values.copy_(torch.randperm(128, device="cuda") + 1000)
@@ -337,8 +338,8 @@ def test_eagle3_tree_program_forms_match_transformers(tiny_checkpoint, tmp_path,
     """The tree program, in graphs and eagerly, gives HF's greedy output with its verified tree's tails attended
     a block per row or as one block (SPECSERVE_CLOSED_TAILS), and its search's bookkeeping in PyTorch or in
     Triton kernels (SPECSERVE_FUSED_SEARCH): both on by default."""
-    from specserve.engine import triton_tree
-    from specserve.layers import triton_attention
+    from specserve.kernels.triton import tree as triton_tree
+    from specserve.kernels.triton import attention as triton_attention
 
     monkeypatch.setattr(triton_attention, "CLOSED_TAILS", new_forms)
     monkeypatch.setattr(triton_tree, "ENABLED", new_forms)
@@ -361,8 +362,8 @@ def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_check
                                                                       simulate, fused_topk):
     """EAGLE-2 tree steps replayed as one graph each equal the same program run eagerly, and (greedy) HF; with
     the search's top-k in PyTorch or in the fused kernels (SPECSERVE_FUSED_TOPK)."""
-    from specserve.engine import triton_topk
-    from specserve.engine.tree_graphs import TreeGraphs
+    from specserve.kernels.triton import topk as triton_topk
+    from specserve.speculative.programs.tree import TreeGraphs
 
     monkeypatch.setattr(triton_topk, "ENABLED", fused_topk)
 
@@ -391,7 +392,7 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
                                                                        simulate, shared):
     """EAGLE-3 chain steps replayed as one graph each equal the same program run eagerly, and (greedy) HF; with
     each sequence's rows attending apart and as one run over a shared context (SHARED_CONTEXT)."""
-    from specserve.engine import chain_graphs
+    from specserve.speculative.programs import chain as chain_graphs
 
     monkeypatch.setattr(chain_graphs, "SHARED_CONTEXT", shared)
     path = tiny_checkpoint("llama", True)
@@ -414,7 +415,7 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
 @pytest.mark.parametrize("spec_args", [(3,), (1,), (4, 3, 9)], ids=["chain", "chain-of-one", "tree"])
 def test_following_rows_from_one_kernel_equal_the_pytorch_form(tiny_checkpoint, tmp_path, monkeypatch, spec_args):
     """The fused kernel (engine/triton_follow.py) writes what SpecGraphs._follow's PyTorch form writes."""
-    from specserve.engine import triton_follow
+    from specserve.kernels.triton import follow as triton_follow
 
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
@@ -430,7 +431,7 @@ def check_fused_follow(program) -> None:
     rows that do not (whose inputs must stay as the host wrote them), with positions past the page table
     among them: every per-step buffer after `triton_follow.follow_rows` equals it after `program._follow`
     (which must take its PyTorch form). Runs on any device Triton can launch on."""
-    from specserve.engine import triton_follow
+    from specserve.kernels.triton import follow as triton_follow
 
     g = torch.Generator().manual_seed(0)
     bs = program.batch_sizes[-2]  # below the largest: rows past bs must stay untouched too
@@ -465,7 +466,7 @@ def test_programs_sample_unseeded_rows_without_syncs(tiny_checkpoint, tmp_path, 
     """Unseeded sampled rows take the chain or tree program (eagerly, beside its graphs) under overlap, and
     launching such a step makes no host-device synchronisation (CUDA's sync debug mode turns any into an error).
     Greedy rows and top-k 1 rows equal HF's greedy output, fully sampled rows do not, and every page comes back."""
-    from specserve.engine import triton_topk
+    from specserve.kernels.triton import topk as triton_topk
 
     monkeypatch.setattr(triton_topk, "ENABLED", shape == "tree-fused-topk")
     path = tiny_checkpoint("llama", True)
@@ -566,7 +567,8 @@ def test_training_on_a_gpu_keeps_samples_on_the_device_and_measures_held_out_agr
 def test_fused_norm_and_rotary_store_match_the_eager_math(dtype):
     """The residual add folded into RMSNorm, two norms side by side, and the KV store folded into rotary, against
     the unfused math."""
-    from specserve.layers import pointwise, triton_pointwise
+    from specserve.kernels import pointwise
+    from specserve.kernels.triton import pointwise as triton_pointwise
     from specserve.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
@@ -608,7 +610,7 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
     """Every tile shape the chooser may pick, plain and in the gate/up form (SiLU-and-multiply applied to the
     two halves' outputs before they are stored), on shapes that divide the tiles and shapes that do not; and
     with several-row kernels letting the next launch halfway through their loop (SPECSERVE_GEMV_TRIGGER_AT)."""
-    from specserve.layers import triton_gemv, triton_pointwise
+    from specserve.kernels.triton import gemv as triton_gemv, pointwise as triton_pointwise
 
     torch.manual_seed(rows)
     weight = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5
@@ -644,7 +646,7 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
     values it holds, e4m3 times a scale per row: every tile (the TMA ones with ordinary loads), plain and in
     the gate/up form, with a norm folded in and with a residual, then the chooser's pick through the Linear (in
     inference mode, as steps run: with autograd on it takes PyTorch's matmul), eagerly and in a CUDA graph."""
-    from specserve.layers import triton_gemv, triton_pointwise
+    from specserve.kernels.triton import gemv as triton_gemv, pointwise as triton_pointwise
     from specserve.layers.linear import FP8, Linear
 
     torch.manual_seed(rows)
@@ -690,7 +692,7 @@ def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype, bits, mon
     four places in a 32-bit word, must come out as its exact value (subnormals, zeros and signs included). Row n
     of the weight holds the codes n, n+1, ... (mod 256), and each of x's rows picks one column (the first four:
     each place in a word), so each output is one weight times 1, exact in fp32 and in bf16 and fp16."""
-    from specserve.layers import triton_gemv
+    from specserve.kernels.triton import gemv as triton_gemv
     from specserve.layers.linear import FP8
 
     if bits and not triton_gemv._sm90_or_later(torch.cuda.current_device()):
@@ -731,7 +733,7 @@ def _every_tile(rows: int, width: int, fp8: bool = False):
     """Every tile the kernel takes for `rows` of a `width`-wide weight, whether the chooser times it for every
     form or not; the TMA tiles where they are on (SPECSERVE_GEMV_TMA, on by default), and the split ones whose
     splits all get columns; with `fp8`, one row's for fp8 weights too."""
-    from specserve.layers import triton_gemv
+    from specserve.kernels.triton import gemv as triton_gemv
 
     if rows == 1:
         return triton_gemv.ONE_ROW_TILES + (triton_gemv.FP8_ONE_ROW_TILES if fp8 else [])
@@ -745,7 +747,7 @@ def _gate_up_or_none(x, weight, tile, **kwargs):
     the chooser skips such tiles the same way)."""
     import triton
 
-    from specserve.layers import triton_gemv
+    from specserve.kernels.triton import gemv as triton_gemv
 
     try:
         return triton_gemv.gemv(x, weight, tile, gate_up=True, **kwargs)
@@ -759,7 +761,7 @@ def test_triton_gemv_folds_rmsnorm_and_residual_add(rows, shape):
     """gemv(x, W, norm_weight, residual) = W @ RMSNorm(x) + residual, for every tile, against the unfused
     math in fp32 from the same bf16 inputs (the fold rounds less: no bf16 normed input in between); and the
     gate/up form with the norm folded in."""
-    from specserve.layers import triton_gemv, triton_pointwise
+    from specserve.kernels.triton import gemv as triton_gemv, pointwise as triton_pointwise
 
     torch.manual_seed(rows)
     weight = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5
@@ -794,7 +796,8 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
     norms and adds folded into the GEMVs and with separate norm kernels: each form's hidden states, taps and
     logits against the same step in fp32. With `in_weights` the bf16 model's norm weights are moved into its
     projections at load (SPECSERVE_NORM_IN_WEIGHTS), so the folds only scale by the reciprocal RMS."""
-    from specserve.layers import linear, triton_gemv
+    from specserve.layers import linear
+    from specserve.kernels.triton import gemv as triton_gemv
 
     monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", in_weights)
     # A fresh choice that always takes a tile: the tiny shapes may time faster in cuBLAS.
@@ -871,7 +874,7 @@ def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch, in_w
     undecided when a step runs takes cuBLAS (timing it clones the weight, captures a graph and synchronises
     mid-step). Outside steps it is timed as before. With the norm weights moved into the projections
     (SPECSERVE_NORM_IN_WEIGHTS), startup decides the forms without the norm's weight in the kernel."""
-    from specserve.layers import triton_gemv
+    from specserve.kernels.triton import gemv as triton_gemv
     from specserve.layers import linear as linear_module
     from specserve.layers.linear import Linear
 
@@ -911,7 +914,7 @@ def test_serving_steps_never_time_gemv_shapes(tiny_checkpoint, monkeypatch, in_w
 def test_fused_log_softmax_topk_matches_the_pytorch_form(rows, vocab, k, dtype):
     """The tree search's top-k kernels against log_softmax + topk: the same log-probabilities, and the same
     tokens in (value descending, token id ascending) order, ties at the top included; replayed in a graph."""
-    from specserve.engine.triton_topk import fused_log_softmax_topk
+    from specserve.kernels.triton.topk import fused_log_softmax_topk
 
     gen = torch.Generator(device="cuda").manual_seed(rows * vocab + k)
     logits = (torch.randn(rows, vocab + 3, device="cuda", generator=gen) * 4).to(dtype)[:, :vocab]  # row stride
@@ -944,7 +947,7 @@ def test_chain_row_inputs_kernel_matches_pytorch():
 def test_argmax_kernels_pick_like_torch_and_replay_in_a_graph(dtype):
     """The greedy-token kernels against torch.argmax (ties, NaN, -inf rows, strides, leading dimensions), then
     captured in a CUDA graph and replayed on new logits."""
-    from specserve.layers.triton_argmax import argmax
+    from specserve.kernels.triton.argmax import argmax
 
     check_argmax("cuda", dtype)
     logits = torch.randn(3, 128256, device="cuda").to(dtype)
@@ -955,7 +958,7 @@ def test_argmax_kernels_pick_like_torch_and_replay_in_a_graph(dtype):
     graph.replay()
     assert torch.equal(graphed, logits.argmax(dim=-1))
     if dtype == torch.bfloat16:  # after a kernel launched early (PDL), as after the lm_head's GEMV in a step
-        from specserve.layers import triton_gemv
+        from specserve.kernels.triton import gemv as triton_gemv
 
         weight = torch.randn(32000, 4096, device="cuda", dtype=dtype)
         x = torch.randn(4, 4096, device="cuda", dtype=dtype)
@@ -976,8 +979,9 @@ def test_eagle3_head_logits_fold_its_norm_and_map_drafts_in_bf16(monkeypatch):
     takes a tile, so the fold runs at every row count), against the norm and the product apart in fp32; and the
     chain's argmax with the draft-to-target offsets against `to_target_ids` of torch.argmax."""
     from specserve.config import ModelConfig
-    from specserve.layers import pointwise, triton_gemv
-    from specserve.layers.sampler import argmax
+    from specserve.kernels import pointwise
+    from specserve.kernels.triton import gemv as triton_gemv
+    from specserve.sampling.sampler import argmax
     from specserve.models.eagle3 import Eagle3Config, Eagle3Head
 
     monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
@@ -1007,7 +1011,9 @@ def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing(monkeypatc
     its default (here the swapped tiles) sets them aside, and so does SPECSERVE_GEMV_CHOICES=0."""
     import os
 
-    from specserve.layers import gemv_choices, triton_gemv
+    from specserve.kernels.tuning import choices as gemv_choices
+
+    from specserve.kernels.triton import gemv as triton_gemv
 
     if "SPECSERVE_GEMV_CHOICES" not in os.environ:
         assert triton_gemv.CHOICES_FILE == "shipped"
@@ -1036,7 +1042,8 @@ def test_gemv_decisions_shipped_for_this_gpu_are_taken_without_timing(monkeypatc
 def test_gemv_decisions_from_a_file_are_taken_without_timing(tmp_path):
     """SPECSERVE_GEMV_CHOICES: a decision saved for this GPU is used as saved and not timed; a shape the file
     lacks is timed as usual."""
-    from specserve.layers import gemv_choices, triton_gemv
+    from specserve.kernels.tuning import choices as gemv_choices
+    from specserve.kernels.triton import gemv as triton_gemv
 
     weight = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda")

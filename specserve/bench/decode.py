@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import EngineConfig
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 MAX_RETRIES = 3
 CONTENDED_CORE_FRAC = 0.15

@@ -20,7 +20,7 @@ from specserve.bench.decode import hardware_info, make_prompts
 from specserve.config import EngineConfig, SpecConfig
 from specserve.engine.factory import resolve_model
 from specserve.llm import LLM
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 DEFAULT_OUT = Path("benchmarks/results/spec_cpu.json")
 

@@ -109,7 +109,13 @@ def run_online(args: argparse.Namespace) -> list[dict]:
 
 
 async def _online_level(base, args, settings, prompts: list[BenchPrompt], kind: str, value: float):
-    from specserve.bench.serving import LoadSettings, make_client, metrics_snapshot, run_closed_loop, run_poisson
+    from specserve.bench.serving import (
+        LoadSettings,
+        make_client,
+        metrics_snapshot,
+        run_closed_loop,
+        run_poisson,
+    )
 
     concurrency = int(value) if kind == "concurrency" else 64
     client = make_client(base, args.api_key, concurrency, settings.timeout_s)
@@ -193,7 +199,7 @@ def _tokenize(llm, prompt: BenchPrompt) -> list[int]:
 
 def _offline_wave(llm, token_prompts, prompts, concurrency: int, args, warmup: bool = False):
     """Closed loop in-process: keep `concurrency` requests running until all are done."""
-    from specserve.sampling_params import SamplingParams
+    from specserve.core import SamplingParams
 
     def params(prompt: BenchPrompt) -> SamplingParams:
         max_tokens = WARMUP_MAX_TOKENS if warmup else (args.max_tokens or prompt.output_len or 256)

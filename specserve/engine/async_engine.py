@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 from specserve.config import EngineConfig
 from specserve.engine.engine import EngineStats, TokenDelta
 from specserve.engine.output import OutputTracker, RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,10 @@ from typing import Protocol
 
 from specserve.engine.futures import has_placeholder
 from specserve.engine.phases import NoTimer
-from specserve.engine.request import FinishReason, Request
-from specserve.engine.scheduler import ScheduledSeq, Scheduler, StepBatch
-from specserve.sampling_params import SamplingParams
+from specserve.core import FinishReason, Request
+from specserve.core import ScheduledSeq, StepBatch
+from specserve.engine.scheduler import Scheduler
+from specserve.core import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,16 @@ import torch
 
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.engine import EngineCore
-from specserve.engine.kv_pages import PageAllocator
-from specserve.engine.runner import ModelRunner, allocate_kv_cache, kv_bytes_per_token, plan_num_pages
+from specserve.kv.pages import PageAllocator
+from specserve.engine.runner import ModelRunner
+from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
 from specserve.engine.scheduler import Scheduler
 from specserve.layers.attention import decode_kernel_takes
 from specserve.models.eagle3 import Eagle3Head
 from specserve.models.loader import build_model, load_eagle3_head
-from specserve.spec.drafters import DraftModelDrafter, Eagle3Drafter
-from specserve.spec.plan import AdaptivePlan
-from specserve.spec.proposer import TreeProposer, scratch_slots
+from specserve.speculative.drafters.base import DraftModelDrafter, Eagle3Drafter
+from specserve.speculative.plan import AdaptivePlan
+from specserve.speculative.search import TreeProposer, scratch_slots
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
@@ -54,7 +55,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     """Finds config, weights and tokenizer for `config.model_path`, converting a GGUF file once if needed."""
     path_str = config.model_path
     if path_str is None:
-        from specserve.models.gguf_convert import find_embedded_gguf
+        from specserve.models.gguf import find_embedded_gguf
 
         path = _converted(find_embedded_gguf(), config)
         name = DEFAULT_MODEL_NAME
@@ -77,7 +78,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
 
 
 def _converted(gguf_path: Path, config: EngineConfig) -> Path:
-    from specserve.models.gguf_convert import cached_conversion  # needs the gguf package; HF dirs don't
+    from specserve.models.gguf import cached_conversion# needs the gguf package; HF dirs don't
 
     return cached_conversion(gguf_path, default_cache_root(config))
 
@@ -130,7 +131,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device) - tree_scratch * per_token)
     use_graphs = device.type == "cuda" and not config.disable_cuda_graph
     if use_graphs:
-        from specserve.layers.pointwise import use_gpu_kernels
+        from specserve.kernels.pointwise import use_gpu_kernels
 
         use_gpu_kernels()
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
@@ -150,13 +151,13 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
                          config.scheduler.max_running_requests)
     pad_slot = num_pages * page_size
     if use_chain:
-        from specserve.engine.chain_graphs import ChainGraphs
+        from specserve.speculative.programs.chain import ChainGraphs
 
         runner.spec_graphs = ChainGraphs(model, proposer.drafter, kv_cache, config.spec.max_drafts, pad_slot, max_bs,
                                          max_model_len, page_size, config.spec.simulate_accept_len,
                                          runner.simulation_rng, capture=use_graphs, progress=progress)
     if use_tree:
-        from specserve.engine.tree_graphs import TreeGraphs
+        from specserve.speculative.programs.tree import TreeGraphs
 
         # The head's scratch region starts after its padding slot (see _build_proposer).
         runner.spec_graphs = TreeGraphs(model, proposer.drafter, kv_cache, config.spec.eagle_topk,
@@ -165,8 +166,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
                                         config.spec.simulate_accept_len, runner.simulation_rng,
                                         capture=use_graphs, progress=progress)
     if use_graphs:
-        from specserve.engine.cuda_graphs import DecodeGraphs
-        from specserve.layers import triton_gemv
+        from specserve.engine.graphs import DecodeGraphs
+        from specserve.kernels.triton import gemv as triton_gemv
 
         with torch.inference_mode():
             for network in (model, draft):
@@ -237,7 +238,7 @@ def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: 
     """Eager calls of the decode kernel (decode rows of steps with prompts, the draft's catch-ups) would
     otherwise compile its forms inside serving steps."""
     if decode_kernel_takes(cfg.head_dim):  # other head dims take the PyTorch path
-        from specserve.layers import triton_attention
+        from specserve.kernels.triton import attention as triton_attention
 
         triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)
 

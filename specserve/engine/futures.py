@@ -31,7 +31,7 @@ class FutureTokens:
     def resolve(self, ids: torch.Tensor) -> None:
         """Replaces placeholders in `ids` (a device tensor) by the tokens they stand for, in place."""
         if ids.is_cuda and ids.dim() == 1 and ids.is_contiguous():
-            from specserve.layers.triton_pointwise import resolve_placeholders
+            from specserve.kernels.triton.pointwise import resolve_placeholders
 
             if resolve_placeholders(ids, self.values):
                 return

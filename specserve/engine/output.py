@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 
 @dataclass

@@ -7,15 +7,14 @@ import random
 
 import torch
 
-from specserve.config import CacheConfig, ModelConfig
-from specserve.engine.chain_graphs import unpack
+from specserve.speculative.programs.chain import unpack
 from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.engine.phases import NoTimer
-from specserve.engine.scheduler import StepBatch
+from specserve.core import StepBatch
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.sampler import sample
-from specserve.spec.simulate import simulated_verdict
-from specserve.spec.verify import Verdict, verify
+from specserve.sampling.sampler import sample
+from specserve.speculative.simulate import simulated_verdict
+from specserve.speculative.verify import Verdict, verify
 from specserve.transfer import tensor_on, to_device
 
 
@@ -220,22 +219,3 @@ class ModelRunner:
         dst = torch.tensor([slot(d) for _, d in moves], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         self.proposer.move_slots(src, dst)
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def plan_num_pages(per_token: int, cache: CacheConfig, free_bytes: int) -> int:
-    """Pages that fit in `mem_fraction_static` of free memory, capped by `max_total_tokens`. `per_token` sums
-    what every pool with the target's page layout keeps per token (the target's KV, a drafter's KV and taps)."""
-    num_pages = int(free_bytes * cache.mem_fraction_static) // (per_token * cache.page_size)
-    if cache.max_total_tokens is not None:
-        num_pages = min(num_pages, -(-cache.max_total_tokens // cache.page_size))
-    if num_pages < 1:
-        raise MemoryError(f"no room for a KV page: {free_bytes / 2**30:.2f} GiB free")
-    return num_pages
-
-
-def allocate_kv_cache(cfg: ModelConfig, num_slots: int, dtype, device) -> torch.Tensor:
-    return torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)

@@ -9,58 +9,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 from specserve.config import SchedulerConfig
-from specserve.engine.kv_pages import PageAllocator
-from specserve.engine.request import FinishReason, Request, Status
-from specserve.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step: compute KV for `token_ids` at positions start_pos.. and maybe sample."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    page_ids: list[int]
-    params: SamplingParams
-    # Set when this step reaches the end of the known tokens, so its last position yields a new token.
-    sample: bool
-    # Seed for this one sampling draw, derived from the request seed and output index (None: unseeded).
-    sample_seed: int | None
-    # Speculation, decided per step: how many draft tokens to propose and verify after token_ids[-1], and
-    # the tokens the draft model must first catch up on (its KV starts at draft_start_pos). With catch-up
-    # tokens and no drafts (a prompt chunk; a decoding request in a step that does not draft), the drafter
-    # only extends its KV over them.
-    num_draft_tokens: int = 0
-    draft_start_pos: int = 0
-    draft_catchup_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """Everything the runner needs for one step. It lives for one step only."""
-
-    seqs: list[ScheduledSeq]
-    page_size: int
-    # An overlapped drafting step (`Scheduler.follow`): row i continues row follow[i] of the drafting step
-    # launched last, not yet read back. Its inputs are derived on the device from that step's results; its
-    # ScheduledSeq holds upper bounds (start_pos: the root if that step accepted everything) and pages for them.
-    follow: list[int] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def kind(self) -> str:
-        """"prompt" (computes prompt tokens; decoding requests may ride along), "drafting" or "decode"."""
-        if not all(len(s.token_ids) == 1 and s.sample for s in self.seqs):
-            return "prompt"
-        return "drafting" if any(s.num_draft_tokens for s in self.seqs) else "decode"
+from specserve.kv.pages import PageAllocator
+from specserve.core import FinishReason, Request, Status
+from specserve.core import SamplingParams
 
 
 class Scheduler:

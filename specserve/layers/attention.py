@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from specserve.layers import cpu_kernels
+from specserve.kernels.cpu import build as cpu_kernels
 from specserve.transfer import to_device
 
 
@@ -94,7 +94,7 @@ class AttentionMetadata:
         slices as fill the GPU (one elsewhere, where the kernel's PyTorch contract runs)."""
         splits = 1
         if block_tables.is_cuda:
-            from specserve.layers.triton_attention import num_splits  # Triton: GPU machines only
+            from specserve.kernels.triton.attention import num_splits# Triton: GPU machines only
 
             splits = num_splits(block_tables.shape[0] // tails.get("rows_per_seq", 1), kv_heads, max_context)
         return cls(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, page_size=page_size,
@@ -243,7 +243,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Writes this step's k and v to their slots, then attends."""
     if kv_cache.is_cuda:
-        from specserve.layers.triton_pointwise import store_kv  # one launch for both, where Triton runs
+        from specserve.kernels.triton.pointwise import store_kv# one launch for both, where Triton runs
 
         store_kv(k, v, kv_cache, meta.slot_mapping)
     else:
@@ -258,7 +258,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
     if meta.block_tables is not None:
         if not q.is_cuda:
             return attend_rows(q, kv_cache, meta, scale)
-        from specserve.layers.triton_attention import paged_decode_attention
+        from specserve.kernels.triton.attention import paged_decode_attention
 
         out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.page_size,
                                      meta.num_splits, meta.tail_slots, meta.tail_lens, meta.rows_per_seq,

@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers import cpu_kernels, pointwise
+from specserve.kernels.cpu import build as cpu_kernels
 
 # SPECSERVE_TRITON_GEMV=0 keeps cuBLAS for every shape (an A/B switch for benchmarks).
+
+from specserve.kernels import pointwise
 TRITON_GEMV = os.environ.get("SPECSERVE_TRITON_GEMV", "1") != "0"
 # SPECSERVE_FOLD_NORMS=0 keeps a decoder layer's RMSNorms as kernels of their own (an A/B switch).
 FOLD_NORMS = os.environ.get("SPECSERVE_FOLD_NORMS", "1") != "0"
@@ -108,7 +110,7 @@ class Linear(nn.Linear):
         if not (TRITON_GEMV and x.is_cuda and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
                 and not torch.is_grad_enabled() and x.dtype == self.input_dtype):
             return None
-        from specserve.layers import triton_gemv
+        from specserve.kernels.triton import gemv as triton_gemv
 
         if x.dtype not in triton_gemv.DTYPES:
             return None
@@ -124,7 +126,7 @@ class Linear(nn.Linear):
                 x, norm = norm(x), None
             tile = self.gemv_tile(x, gate_up)
         if tile is not None:
-            from specserve.layers import triton_gemv
+            from specserve.kernels.triton import gemv as triton_gemv
 
             out_features = self.out_features // (2 if gate_up else 1)
             rows = x.reshape(-1, x.shape[-1])

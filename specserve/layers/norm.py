@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.layers import pointwise
+from specserve.kernels import pointwise
 
 
 class RMSNorm(torch.nn.Module):

@@ -6,7 +6,7 @@ import math
 import torch
 
 from specserve.config import RopeScaling
-from specserve.layers import pointwise
+from specserve.kernels import pointwise
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

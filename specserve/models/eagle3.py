@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.layers import pointwise
+from specserve.kernels import pointwise
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm

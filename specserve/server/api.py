@@ -16,16 +16,9 @@ from specserve import __version__
 from specserve.config import ServerConfig
 from specserve.engine.async_engine import AsyncEngine, EngineError
 from specserve.engine.output import RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 from specserve.server.metrics import Metrics
-from specserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    Usage,
-    error_body,
-    new_id,
-    now,
-)
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, Usage, error_body, new_id, now
 
 log = logging.getLogger(__name__)
 

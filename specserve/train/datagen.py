@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from specserve.config import EngineConfig, SpecConfig
 from specserve.engine.factory import resolve_model, thaw_and_collect
 from specserve.models.eagle3 import default_target_layers
 from specserve.models.loader import save_eagle3_head
-from specserve.sampling_params import SamplingParams
+from specserve.core import SamplingParams
 from specserve.train.datagen import draft_vocabulary, generate, read_shards
 from specserve.train.trainer import TrainConfig, Trainer, hold_out, new_head
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.layers import pointwise
+from specserve.kernels import pointwise
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,169 @@
+"""What the engine and speculation share, at the bottom of the import graph: a request's sampling
+settings, its state (two counters over one token list, not a phase flag), and the one-step batch the
+scheduler hands the runner. Pure data, no torch.
+
+`Request.num_computed_tokens` counts tokens whose KV is in the cache; `num_tokens` counts tokens known (prompt
+plus outputs). Prefill, chunked prefill, decode and recompute after preemption are all "compute the gap".
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs so params stay hashable and picklable as one value.
+        object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        errors = self.validation_errors()
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def validation_errors(self) -> list[str]:
+        errors = []
+        if self.max_tokens is not None and self.max_tokens < 1:
+            errors.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            errors.append(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            errors.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < -1:
+            errors.append(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+        return errors
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _as_tuple(stop: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(s for s in stop if s)
+
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # client went away or asked to cancel
+    ERROR = "error"  # the engine failed while computing this request
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length at admission
+    arrival_index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens whose KV the draft model holds (it lags the target after steps that did not draft).
+    num_draft_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # Speculation counters: steps that drafted, tokens drafted, drafts accepted.
+    num_spec_steps: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # For the adaptive draft plan (spec/plan.py): drafting steps since this request last drafted.
+    steps_since_drafting: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: compute KV for `token_ids` at positions start_pos.. and maybe sample."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+    params: SamplingParams
+    # Set when this step reaches the end of the known tokens, so its last position yields a new token.
+    sample: bool
+    # Seed for this one sampling draw, derived from the request seed and output index (None: unseeded).
+    sample_seed: int | None
+    # Speculation, decided per step: how many draft tokens to propose and verify after token_ids[-1], and
+    # the tokens the draft model must first catch up on (its KV starts at draft_start_pos). With catch-up
+    # tokens and no drafts (a prompt chunk; a decoding request in a step that does not draft), the drafter
+    # only extends its KV over them.
+    num_draft_tokens: int = 0
+    draft_start_pos: int = 0
+    draft_catchup_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything the runner needs for one step. It lives for one step only."""
+
+    seqs: list[ScheduledSeq]
+    page_size: int
+    # An overlapped drafting step (`Scheduler.follow`): row i continues row follow[i] of the drafting step
+    # launched last, not yet read back. Its inputs are derived on the device from that step's results; its
+    # ScheduledSeq holds upper bounds (start_pos: the root if that step accepted everything) and pages for them.
+    follow: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def kind(self) -> str:
+        """"prompt" (computes prompt tokens; decoding requests may ride along), "drafting" or "decode"."""
+        if not all(len(s.token_ids) == 1 and s.sample for s in self.seqs):
+            return "prompt"
+        return "drafting" if any(s.num_draft_tokens for s in self.seqs) else "decode"

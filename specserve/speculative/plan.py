@@ -1,0 +1,251 @@
+"""When to draft: speculation that is never a loss, decided per step and per request. Pure Python.
+
+A step that drafts costs more than a plain one and yields each request its acceptance length τ (accepted
+drafts plus the bonus token) instead of one token. So a pure decode step of B requests drafts when
+
+    (Σ τ_r over the requests that draft + one token for each that does not) / t_draft(B)  >  B / t_plain(B)
+
+and a request drafts only while its own τ_r beats the step's break-even t_draft(B) / t_plain(B).
+
+Costs are measured, not assumed: the engine reports every pure decode step's duration, by whether it
+drafted and by batch-size bucket (powers of two). τ_r is the request's mean, drawn towards the recent
+requests' mean while it has drafted little. Until both costs of a bucket are known, the plan measures them,
+drafting first, unless a smaller bucket's costs already show drafting losing for these requests: the
+larger bucket then borrows that break-even until probes have timed two of its drafting steps (a drafting
+step's cost grows faster with the batch than a plain one's, so the break-even does not fall).
+The side not in use goes stale, so now and then the other runs for at least `probe_len` steps, until one of
+them is timed: the first step after a switch is not, since it also paid for the switch (under overlap
+scheduling it waited for the step in flight). Probes come every `probe_every` steps of one side at least,
+and as much less often as keeps their measured cost under `probe_budget` of the time: the time the losing
+side gives up in `probe_len` + 1 steps, and the switch back to drafting that either probe brings about.
+While the gate is shut the draft head follows no decode step; in steps with prompts it follows their chunks
+only if drafting pays for the batch they join (`drafting_pays`, whatever the gate's last answer, which was
+for the last decode step's batch, at the end of a wave a small one). The first drafting step catches it up on
+all its requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
+overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows
+with the spell until the spell outlasts the requests, so after a cheap first probe of drafting the spacing
+grows too, up to `max_probe_every`; a probe of plain decode, a short spell, is charged its catch-up all the
+same.
+A request held back from drafting is due to draft again after `probe_every` pure decode steps without
+drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
+request that started badly is re-tried, while one due request among many does not open the gate alone.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.core import Request
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    probe_every: int = 64  # steps of one side at least before the other is measured again
+    probe_budget: float = 0.01  # the share of time probes may cost, which spaces them out further
+    max_probe_every: int = 2048  # but a losing side is measured again after this many steps at the latest
+    probe_len: int = 2  # steps a probe lasts at least; the first after a switch is never timed
+    window: int = 9  # step times kept per side and bucket; the cost is their lower median
+    smoothing: float = 0.025  # weight of a new acceptance length in the recent requests' mean
+    prior_steps: float = 8.0  # a request's acceptance counts as this many steps at the recent mean, plus its own
+
+    def __post_init__(self) -> None:
+        if self.probe_len < 2:
+            raise ValueError("a probe must last at least two steps: the first after a switch is not timed")
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes whose steps cost about the same: the next power of two."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class AdaptivePlan:
+    """The scheduler asks `step_drafts` once per pure decode step, then `num_drafts` per request, and
+    `drafting_pays` in steps with prompts; the engine reports step times to `observe_step` and verdicts to
+    `observe_acceptance`."""
+
+    def __init__(self, max_drafts: int, config: AdaptiveConfig = AdaptiveConfig()) -> None:
+        self.max_drafts = max_drafts
+        self.config = config
+        # Optimistic until measured, so that drafting is tried: half the drafts accepted.
+        self.mean_accept_len = 1.0 + max_drafts / 2
+        self.cost: dict[tuple[bool, int], float] = {}  # (drafts, bucket) -> seconds per step
+        self._times: dict[tuple[bool, int], deque[float]] = {}  # the latest step times, per key
+        self._samples: dict[tuple[bool, int], int] = {}  # step times kept, per key
+        # bucket -> the side its last steps took, how many in a row, and that side's samples when it began.
+        self._side: dict[int, tuple[bool, int, int]] = {}
+        self._planned: tuple[bool, int] | None = None  # the step planned last, until it is observed
+        self._observed: tuple[bool, int] | None = None  # the last step observed, if it went as planned
+        self._streak = 0  # planned steps in a row with the same side and bucket, the last one included
+        # bucket -> seconds the last drafting step right after a plain one took beyond a drafting step and
+        # the plain one it waited for (the head's catch-up on the spell)
+        self.switch_cost: dict[int, float] = {}
+        self.break_even = 0.0  # t_draft / t_plain for this step's requests (0: every request drafts)
+
+    # -- planning ---------------------------------------------------------
+    def step_drafts(self, requests: list[Request]) -> bool:
+        """Whether this pure decode step over `requests` drafts."""
+        for request in requests:
+            request.steps_since_drafting += 1
+        size = bucket(len(requests))
+        draft, plain = self.cost.get((True, size)), self.cost.get((False, size))
+        borrowed = self._borrowed_break_even(requests, size)
+        if borrowed is not None and not self._unmeasured(False, size):
+            draft = borrowed * plain  # until probes have measured drafting here
+        # A step that drafts to measure (not because it pays) lets every request draft (break-even 0):
+        # otherwise requests below the break-even would draft nothing, and nothing would be measured.
+        self.break_even = 0.0
+        if self._unmeasured(False, size) or (self._unmeasured(True, size) and borrowed is None):
+            # Measure what is missing: drafting first, unless a smaller batch already showed that it loses.
+            choice = self._unmeasured(True, size) and borrowed is None
+        else:
+            gain = self._gain(requests, draft / plain)
+            choice = self._probe(size, gain > 1, self._probe_interval(gain, draft, plain, size))
+            if choice and gain > 1:
+                self.break_even = draft / plain
+        last, run, since = self._side.get(size, (None, 0, 0))
+        if last != choice:
+            run, since = 0, self._samples.get((choice, size), 0)
+        self._side[size] = (choice, run + 1, since)
+        key = (choice, size)
+        self._streak = self._streak + 1 if self._observed == key else 1
+        self._planned = key
+        return choice
+
+    def drafting_pays(self, requests: list[Request]) -> bool:
+        """Whether a step drafting for `requests` would pay by what is measured now; plans nothing. Where a
+        side of the bucket is unmeasured it counts as paying (the plan measures both before it settles, and
+        measuring drafting needs the head caught up), unless a smaller bucket shows that drafting loses. The
+        scheduler asks this in steps with prompts: the draft head follows their chunks only if the batch they
+        join is to draft."""
+        if not requests:
+            return False
+        size = bucket(len(requests))
+        if self._borrowed_break_even(requests, size) is not None:
+            return False
+        if self._unmeasured(True, size) or self._unmeasured(False, size):
+            return True
+        return self._gain(requests, self._measured_break_even(size)) > 1
+
+    def _borrowed_break_even(self, requests: list[Request], size: int) -> float | None:
+        """While drafting is unmeasured in this bucket: the break-even of the largest smaller bucket with both
+        costs measured, if drafting loses there for these requests. A drafting step's cost grows with its
+        rows faster than a plain step's, so the break-even does not fall as the batch grows, and measuring
+        drafting at a load where it surely loses costs several of its slowest steps (~2 % of a short run
+        at C = 250 on the H200)."""
+        if not self._unmeasured(True, size):
+            return None
+        known = [b for (drafted, b) in self.cost
+                 if drafted and b < size and not self._unmeasured(True, b) and not self._unmeasured(False, b)]
+        if not known:
+            return None
+        break_even = self._measured_break_even(max(known))
+        return break_even if self._gain(requests, break_even) <= 1 else None
+
+    def _measured_break_even(self, size: int) -> float:
+        return self.cost[(True, size)] / self.cost[(False, size)]
+
+    def _unmeasured(self, drafted: bool, size: int) -> bool:
+        """Fewer than two step times: the lower median of two cannot be one outlier."""
+        return self._samples.get((drafted, size), 0) < 2
+
+    def num_drafts(self, request: Request) -> int:
+        """A request drafts while it gains on its own, and now and then to learn whether it would again."""
+        if self._accept_len(request) > self.break_even or self._due(request):
+            return self.max_drafts
+        return 0
+
+    def _due(self, request: Request) -> bool:
+        return request.steps_since_drafting > self.config.probe_every
+
+    def _gain(self, requests: list[Request], break_even: float) -> float:
+        """Tokens per second of a drafting step over a plain one's, whose costs stand at `break_even`."""
+        # A due request is hoped to do as well as recent requests, or as it did itself if that was better.
+        lengths = (max(self.mean_accept_len, self._accept_len(r)) if self._due(r) else self._accept_len(r)
+                   for r in requests)
+        tokens = sum(length if length > break_even else 1.0 for length in lengths)
+        return tokens / (len(requests) * break_even)
+
+    def _probe_interval(self, gain: float, draft: float, plain: float, size: int) -> int:
+        """Steps of the winning side between probes, in units of a winning step's time. A probe step costs
+        the losing side's step time times the share of tokens per second it gives up: with r its step time
+        over the winner's and g its speed over the winner's, r * (1 - g). Either probe also pays the head's
+        catch-up, as long as the last one: a probe of drafting starts with it, a probe of plain decode
+        leaves the head behind, and the drafting step after it catches up."""
+        switch = self.switch_cost.get(size, 0.0)
+        if gain > 1:  # plain decode is probed: r = t_plain / t_draft, g = 1 / gain
+            loss = (self.config.probe_len + 1) * (1 - 1 / gain) * plain / draft + switch / draft
+        else:
+            loss = (self.config.probe_len + 1) * draft / plain * (1 - gain) + switch / plain
+        spacing = loss / self.config.probe_budget
+        return int(min(max(self.config.probe_every, spacing), self.config.max_probe_every))
+
+    def _probe(self, size: int, choice: bool, every: int) -> bool:
+        """`choice`, unless the other side is due to be measured again, or the side taken last (a probe or
+        a switch) has not run `probe_len` steps and kept a step time yet (a prompt step may cut a run
+        short; after 4x `probe_len` steps it gives up)."""
+        side, run, since = self._side.get(size, (None, 0, 0))
+        if side is None:
+            return choice
+        measured = self._samples.get((side, size), 0) > since
+        if side != choice and (run < self.config.probe_len or not measured and run < 4 * self.config.probe_len):
+            return side
+        if side == choice and run >= every:
+            return not side
+        return choice
+
+    def _accept_len(self, request: Request) -> float:
+        """The request's mean acceptance length, drawn towards the recent requests' mean while it has drafted
+        little: a step's acceptance is noisy, and one unlucky run must not stop a good request."""
+        prior = self.config.prior_steps
+        total = request.num_spec_steps + request.num_accepted_tokens + prior * self.mean_accept_len
+        return total / (request.num_spec_steps + prior)
+
+    def snapshot(self) -> dict:
+        """What the plan believes now, for benchmark records: step costs in ms by side and bucket, the
+        switch costs, the recent requests' mean acceptance length and the step times kept."""
+        def name(key: tuple[bool, int]) -> str:
+            return f"{'draft' if key[0] else 'plain'}@{key[1]}"
+
+        return {"cost_ms": {name(k): round(s * 1e3, 3) for k, s in sorted(self.cost.items())},
+                "switch_cost_ms": {str(b): round(s * 1e3, 3) for b, s in sorted(self.switch_cost.items())},
+                "mean_accept_len": round(self.mean_accept_len, 3),
+                "samples": {name(k): n for k, n in sorted(self._samples.items())}}
+
+    # -- observing --------------------------------------------------------
+    def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None:
+        """A pure decode step's duration. Kept only for a step the plan made that followed one of the same
+        side and bucket: the first after a switch paid for the switch, and steps held back from drafting
+        while prompts were pending are not the plan's."""
+        planned = self._planned
+        # A step cut short by the token budget or preemption still shows what the planned side costs at
+        # this load: it is kept under the planned bucket.
+        key = planned if planned is not None and planned[0] == drafted else (drafted, bucket(batch_size))
+        after_plain = self._observed is not None and not self._observed[0]
+        if planned == key and drafted and after_plain and key in self.cost:
+            # Beyond a drafting step it also waited for the plain step in flight, under overlap scheduling.
+            extra = seconds - self.cost[key] - self.cost.get((False, self._observed[1]), 0.0)
+            self.switch_cost[key[1]] = max(0.0, extra)
+        if planned == key and self._streak >= 2:
+            times = self._times.setdefault(key, deque(maxlen=self.config.window))
+            times.append(seconds)
+            # Outliers only ever run long (a kernel built on first use, a collection, a busy machine), so the
+            # lower median: one slow step must not stop drafting until the next probe.
+            self.cost[key] = sorted(times)[(len(times) - 1) // 2]
+            self._samples[key] = self._samples.get(key, 0) + 1
+        self._observed = key if planned == key else None
+        self._planned = None
+
+    def observe_other_step(self) -> None:
+        """A step that computed prompt tokens: the next decode step starts a new streak."""
+        self._planned = self._observed = None
+
+    def observe_acceptance(self, request: Request, drafted: int, accepted: int) -> None:
+        """Called after the request's counters took this step in."""
+        if drafted > 0:
+            request.steps_since_drafting = 0
+        # Fewer drafts than planned: cut by the room the request has left, which caps its acceptance too. Such
+        # steps end every request, all at once at the end of a wave of like requests, and would drag the
+        # recent mean (the new requests' prior) under the break-even just as the next wave starts.
+        if drafted >= self.max_drafts:
+            weight = self.config.smoothing
+            self.mean_accept_len = (1 - weight) * self.mean_accept_len + weight * (1.0 + accepted)

@@ -1,0 +1,210 @@
+"""Proposers draft tokens for the sequences of one step. The runner calls them; they never call back.
+
+`propose(batch) -> {sequence index: DraftTree}` for every sequence with `num_draft_tokens > 0`, rooted at the
+sequence's last token, with exactly `num_draft_tokens` drafts. Drafts are chosen deterministically (top-k of
+the draft's distribution), which is what makes `spec.verify` lossless for them.
+
+One search serves both kinds of drafter (an EAGLE-3 head, or a standalone draft model): EAGLE-2's dynamic
+tree. From the root, take the top-k next tokens; feed those k nodes back, take the top-k children of each,
+and keep the k best of the k*k by cumulative log-probability as the next nodes to feed; after `num_steps`
+levels keep the `num_draft_tokens` best candidates overall. With topk = 1 this is a greedy chain.
+
+A drafter's KV pool mirrors the target's page layout (same page ids, its own tensors), so drafting needs no
+pages of its own: position p of a request lives at the same slot in both pools. Nodes fed back while
+searching live in a scratch region after the mirrored slots; their KV is thrown away after the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specserve.core import ScheduledSeq, StepBatch
+from specserve.layers.attention import AttentionMetadata
+from specserve.speculative.tree import DraftTree, best_first_tree
+
+
+class Proposer(Protocol):
+    # Target layers whose outputs the proposer reads; the runner hands them over through `observe`.
+    capture_layers: tuple[int, ...]
+
+    def propose(self, batch: StepBatch) -> dict[int, DraftTree]: ...
+
+    def extend_drafter(self, batch: StepBatch) -> None:
+        """After the target's forward: extend the drafter over catch-up tokens of sequences that do not draft."""
+
+    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        """The target's tapped layer outputs for the tokens it computed this step, at their KV slots."""
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The runner moved accepted tree nodes' KV from `src` to `dst` slots; move what is kept per slot."""
+
+
+class Drafter(Protocol):
+    """One draft network, as the tree search sees it."""
+
+    kv_cache: torch.Tensor
+    # 1 if the network at position j reads token j+1 (EAGLE: hidden state of j, embedding of j+1), else 0.
+    shift: int
+    capture_layers: tuple[int, ...]
+
+    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Computes the drafter's KV up to each root; returns logits for the token after the root, and the
+        state a child of the root is fed with (None if the drafter keeps no state)."""
+
+    def extend(self, tokens: torch.Tensor, states: torch.Tensor | None, positions: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feeds draft nodes (target ids); returns logits after each and the state its children are fed with."""
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None: ...
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+
+def search_depth(num_drafts: int, topk: int, num_steps: int) -> int:
+    """Levels needed to offer `num_drafts` candidates: a chain is as deep as its drafts; a tree searches
+    `num_steps` levels (fewer for a small budget), each level offering topk * topk candidates."""
+    if topk == 1:
+        return num_drafts
+    depth = max(1, min(num_steps, num_drafts))
+    while topk + (depth - 1) * topk * topk < num_drafts:
+        depth += 1
+    return depth
+
+
+def scratch_slots(topk: int, num_steps: int, max_drafts: int) -> int:
+    """Scratch slots one sequence needs: every level of the deepest search but the last is fed back."""
+    return topk * (search_depth(max_drafts, topk, num_steps) - 1)
+
+
+@dataclass
+class _Search:
+    """One sequence's tree search. Candidates are (target token, parent candidate or -1, cumulative logp)."""
+
+    root_token: int
+    root_pos: int
+    num_drafts: int
+    depth: int
+    context_slots: torch.Tensor  # drafter KV slots of the context the nodes attend to
+    scratch_base: int
+    candidates: list[tuple[int, int, float]] = field(default_factory=list)
+    frontier: list[int] = field(default_factory=list)  # candidates to feed next
+    fed: list[int] = field(default_factory=list)  # candidates already fed, in feed order
+    # Row of the drafter's latest output whose state a candidate is fed with: its parent's row.
+    state_row: dict[int, int] = field(default_factory=dict)
+
+    def add_level(self, parents: list[int], first_row: int, tokens: list[list[int]], logps: list[list[float]],
+                  topk: int) -> None:
+        """Adds each parent's top-k children and makes the k best new candidates the next frontier."""
+        first = len(self.candidates)
+        for row, (parent, toks, lps) in enumerate(zip(parents, tokens, logps), start=first_row):
+            base = 0.0 if parent == -1 else self.candidates[parent][2]
+            for t, lp in zip(toks, lps):
+                self.state_row[len(self.candidates)] = row
+                self.candidates.append((t, parent, base + lp))
+        new = range(first, len(self.candidates))
+        self.frontier = sorted(new, key=lambda c: (-self.candidates[c][2], c))[:topk]
+
+    def feed_mask(self) -> torch.Tensor:
+        """[k, context + fed] for the frontier just appended to `fed`: the context, its ancestors, itself."""
+        column = {c: i for i, c in enumerate(self.fed)}
+        mask = torch.zeros(len(self.frontier), len(self.context_slots) + len(self.fed), dtype=torch.bool)
+        mask[:, : len(self.context_slots)] = True
+        for row, node in enumerate(self.frontier):
+            while node != -1:
+                mask[row, len(self.context_slots) + column[node]] = True
+                node = self.candidates[node][1]
+        return mask
+
+    def tree(self) -> DraftTree:
+        return best_first_tree(self.root_token, self.candidates, self.num_drafts)
+
+
+class TreeProposer:
+    def __init__(self, drafter: Drafter, topk: int, num_steps: int, max_drafts: int, scratch_start: int,
+                 device: torch.device) -> None:
+        """The drafter's scratch region starts at slot `scratch_start` and holds `scratch_slots(topk,
+        num_steps, max_drafts)` slots per sequence of a batch."""
+        self.drafter = drafter
+        self.topk = topk
+        self.num_steps = num_steps
+        self.scratch_start = scratch_start
+        self.scratch_stride = scratch_slots(topk, num_steps, max_drafts)
+        self.device = device
+        self.capture_layers = drafter.capture_layers
+
+    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        self.drafter.observe(captured, slot_mapping)
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.drafter.move_slots(src, dst)
+
+    @torch.inference_mode()
+    def extend_drafter(self, batch: StepBatch) -> None:
+        """After the target's forward: the drafter extends its KV over the catch-up tokens of the step's
+        sequences that do not draft (prompt chunks; decoding requests in a step held back from drafting),
+        whose taps are stored by now."""
+        seqs = [s for s in batch.seqs if s.draft_catchup_ids and not s.num_draft_tokens]
+        if seqs:
+            self.drafter.catch_up(seqs, batch.page_size)
+
+    @torch.inference_mode()
+    def propose(self, batch: StepBatch) -> dict[int, DraftTree]:
+        spec = [(i, s) for i, s in enumerate(batch.seqs) if s.num_draft_tokens > 0]
+        if not spec:
+            return {}
+        seqs = [s for _, s in spec]
+        logits, states = self.drafter.catch_up(seqs, batch.page_size)
+        searches = [self._start(j, s, batch.page_size) for j, s in enumerate(seqs)]
+        active = list(range(len(searches)))
+        self._grow(searches, active, [[-1] for _ in active], logits)
+        for level in range(1, max(x.depth for x in searches)):
+            active = [j for j in active if searches[j].depth > level]
+            parents = [list(searches[j].frontier) for j in active]
+            logits, states = self._feed(searches, active, level, states)
+            self._grow(searches, active, parents, logits)
+        return {i: x.tree() for (i, _), x in zip(spec, searches)}
+
+    def _start(self, j: int, seq: ScheduledSeq, page_size: int) -> _Search:
+        root_pos = seq.start_pos + len(seq.token_ids) - 1
+        context_len = root_pos + 1 - self.drafter.shift
+        pos = torch.arange(context_len)
+        table = torch.tensor(seq.page_ids)
+        return _Search(
+            root_token=seq.token_ids[-1],
+            root_pos=root_pos,
+            num_drafts=seq.num_draft_tokens,
+            depth=search_depth(seq.num_draft_tokens, self.topk, self.num_steps),
+            context_slots=table[pos // page_size] * page_size + pos % page_size,
+            scratch_base=self.scratch_start + j * self.scratch_stride,
+        )
+
+    def _grow(self, searches: list[_Search], active: list[int], parents: list[list[int]], logits: torch.Tensor) -> None:
+        """`logits` has one row per parent, in order; each parent gets its top-k children."""
+        top = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        tokens = self.drafter.to_target_ids(top.indices).tolist()
+        values = top.values.tolist()
+        row = 0
+        for j, ps in zip(active, parents):
+            searches[j].add_level(ps, row, tokens[row:row + len(ps)], values[row:row + len(ps)], self.topk)
+            row += len(ps)
+
+    def _feed(self, searches: list[_Search], active: list[int], level: int, states: torch.Tensor | None):
+        """Feeds each active search's frontier (its nodes at depth `level`) to the drafter."""
+        tokens, positions, kv_slots, masks, rows = [], [], [], [], []
+        for j in active:
+            x = searches[j]
+            x.fed.extend(x.frontier)
+            tokens += [x.candidates[c][0] for c in x.frontier]
+            positions += [x.root_pos + level - self.drafter.shift] * len(x.frontier)
+            rows += [x.state_row[c] for c in x.frontier]
+            kv_slots.append(torch.cat([x.context_slots, torch.arange(x.scratch_base, x.scratch_base + len(x.fed))]))
+            masks.append(x.feed_mask())
+        meta = AttentionMetadata.from_slots(kv_slots, masks, self.device)
+        fed_states = None if states is None else states[torch.tensor(rows, device=self.device)]
+        return self.drafter.extend(
+            torch.tensor(tokens, device=self.device), fed_states, torch.tensor(positions, device=self.device), meta
+        )

@@ -1,0 +1,319 @@
+"""Host-side logic of the Triton kernels, where Triton is installed (GPU machines; CI's CPU machine has none)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+# What every interpreter script starts with: torch, and the checks of tests/ and benchmarks/ importable.
+_PRELUDE = """
+import sys
+import torch
+sys.path[:0] = ["benchmarks", "tests"]
+"""
+
+
+def _run_in_interpreter(script: str, timeout: int) -> None:
+    """Runs `script` under Triton's interpreter, which runs kernels on the CPU; it must be switched on before they
+    are defined, hence a process of its own (from the repository root, after _PRELUDE)."""
+    run = subprocess.run([sys.executable, "-c", _PRELUDE + script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_chooser_takes_the_norm_apart_where_it_beats_every_folded_tile():
+    # None for a folded norm's call means: the norm as a kernel of its own, then the best form without it
+    # (Linear._forward_gpu), so the chooser returns None where that was timed faster than every folded tile.
+    from specserve.kernels.triton.gemv import NORM_APART, Tile, pick
+
+    tiles = {"a": Tile(32, 256, 4, 4), "b": Tile(64, 128, 4, 3)}
+    assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0, NORM_APART: 39.0}, tiles) is None
+    assert pick({"cublas": 90.0, "a": 55.0, "b": 38.0, NORM_APART: 39.0}, tiles) == tiles["b"]
+    assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0}, tiles) == tiles["b"]  # no unfolded tile was timed
+    assert pick({"cublas": 40.0, "a": 55.0, NORM_APART: 45.0}, tiles) is None
+
+
+def test_several_row_gemvs_trigger_their_dependents_exactly_once():
+    # A kernel launched with programmatic dependent launch must trigger once; with none, the next kernel waits
+    # for this one to finish before it can even launch. The kernel triggers in its main loop where
+    # k0 == trigger_column (k0 = block_k, 2 block_k, ... < width) or after the loop where trigger_column >= width.
+    from specserve.kernels.triton.gemv import _trigger_column
+
+    for block_k in (64, 128, 256, 512):
+        for width in range(1, 5000, 37):
+            loop = range(block_k, width, block_k)
+            for fraction in (1e-6, 0.1, 0.5, 0.75, 0.9, 0.999, 1.0):
+                column = _trigger_column(width, block_k, fraction)
+                triggers = sum(k0 == column for k0 in loop) + (column >= width)
+                assert triggers == 1, (width, block_k, fraction, column)
+    # How far in: 4096 wide in steps of 256 (the step before the loop is the first): after 12 of 16 at 0.75.
+    assert _trigger_column(4096, 256, 0.75) == 11 * 256
+    assert _trigger_column(4096, 256, 1.0) == 4096
+
+
+_TOPK_IN_INTERPRETER = """
+from specserve.kernels.triton.topk import fused_log_softmax_topk
+torch.manual_seed(0)
+for rows, vocab, k in [(4, 5000, 4), (3, 2048, 2), (2, 70, 8), (2, 4100, 3)]:
+    x = (torch.randn(rows, vocab) * 4).half()
+    x[0, [5, vocab // 2, vocab - 1]] = x[0].max() + 1
+    if vocab > 4096:
+        x[1, :2048] = float("-inf")  # a whole block masked
+    values, indices = fused_log_softmax_topk(x, k)
+    ranked = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(indices, ranked), (indices, ranked)
+    expected = torch.log_softmax(x.float(), dim=-1).gather(1, ranked)
+    torch.testing.assert_close(values, expected, atol=1e-5, rtol=1e-5)
+"""
+
+
+def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
+    # Several blocks a row, a vocabulary that is not a multiple of the block, ties.
+    _run_in_interpreter(_TOPK_IN_INTERPRETER, timeout=600)
+
+
+_FP8_GEMV_IN_INTERPRETER = """
+from gemv_interpreter_check import ATOL, RTOL, fp8_forms, interpreter_range
+from specserve.kernels.triton import gemv as triton_gemv
+triton_gemv.range = interpreter_range
+torch.manual_seed(0)
+for rows, tiles in ((1, triton_gemv.ONE_ROW_TILES[:1]),
+                    (3, [triton_gemv.ROWS_TILES[0], triton_gemv.SWAP_TILES[0], triton_gemv.TMA_TILES[0]])):
+    for out_features, width in ((96, 64), (100, 600)):
+        weight = (torch.randn(out_features, width) / width**0.5).half()
+        weight[1] = 0.0  # a row of zeros gets the smallest scale, not a division by zero
+        x = (torch.randn(rows, width) * 5).half()
+        gamma, residual = (torch.rand(width) + 0.5).half(), torch.randn(rows, out_features).half()
+        for tile in tiles:
+            for form, out, reference in fp8_forms(x, weight, gamma, residual, tile):
+                error = (out.float() - reference).abs()
+                assert (error <= ATOL + RTOL * reference.abs()).all(), (rows, tile, form, error.max())
+"""
+
+
+def test_gemv_with_fp8_weights_in_the_interpreter_matches_the_dequantized_math():
+    # One row on CUDA cores; several as a dot with the weight widened first (rows-left, swapped, and a TMA tile,
+    # which an fp8 weight runs with ordinary loads); the scales applied before the norm, SiLU and residual.
+    _run_in_interpreter(_FP8_GEMV_IN_INTERPRETER, timeout=900)
+
+
+_SPLIT_GEMV_IN_INTERPRETER = """
+from gemv_interpreter_check import SPLIT_TILES, check, interpreter_range
+from specserve.kernels.triton import gemv as triton_gemv
+triton_gemv.range = interpreter_range
+torch.manual_seed(0)
+for rows in (3, 16):
+    results = check(rows, SPLIT_TILES, ((96, 256), (100, 600)), calls=2)  # twice: the counts are back at zero
+    assert {r["tile"] for r in results} == {str(t) for t in SPLIT_TILES}
+    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    assert not triton_gemv._counters[torch.device("cpu")].any()
+"""
+
+
+def test_gemv_split_over_k_in_the_interpreter_matches_the_unsplit_math():
+    # Every form (norm folds, gate/up, residual, fp8 scales), rows-left, swapped and TMA tiles, in two and three
+    # splits (the last one shorter at width 600), each twice: the last program in resets its tile's count.
+    _run_in_interpreter(_SPLIT_GEMV_IN_INTERPRETER, timeout=900)
+
+
+_TAILS_IN_INTERPRETER = """
+from conftest import check_tail_attention
+from gemv_interpreter_check import interpreter_range
+from specserve.kernels.triton import attention as triton_attention
+triton_attention.range = interpreter_range
+for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+    for splits in (1, 2, 5, 32):
+        for per_seq in (1, 3, 6):
+            check_tail_attention("cpu", dtype, splits, per_seq, tolerance, heads=8, kv_heads=2, dim=32)
+"""
+
+
+def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
+    # Each tree row's tail is attended by one context slice (dealt from the last one down), which the merge
+    # then weighs with the rest: 1 slice (no merge), 2 (rows wrap around the slices), 5, and 32 (most slices
+    # hold no context, only a tail, or nothing at all for a row), with 1, 3 and 6 rows sharing a context.
+    _run_in_interpreter(_TAILS_IN_INTERPRETER, timeout=900)
+
+
+_CLOSED_TAILS_IN_INTERPRETER = """
+from conftest import check_closed_tail_attention
+from gemv_interpreter_check import interpreter_range
+from specserve.kernels.triton import attention as triton_attention
+triton_attention.range = interpreter_range
+for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+    for splits in (1, 3, 32):
+        check_closed_tail_attention("cpu", dtype, splits, tolerance, heads=8, kv_heads=2, dim=32)
+"""
+
+
+def test_verified_trees_tails_as_one_block_in_the_interpreter():
+    # A tree's tails as one block of the run's own slots, each query row masked to its ancestors and itself,
+    # with 1, 3 and 32 slices (the block goes to the last; with 32, most slices hold no context).
+    _run_in_interpreter(_CLOSED_TAILS_IN_INTERPRETER, timeout=900)
+
+
+_TREE_SEARCH_IN_INTERPRETER = """
+from conftest import (check_tree_accept, check_tree_expand, check_tree_move, check_tree_root_children,
+                      check_tree_select, check_tree_step_rows)
+from gemv_interpreter_check import interpreter_range
+from specserve.kernels.triton import follow as triton_follow, tree as triton_tree
+triton_tree.range = triton_follow.range = interpreter_range
+check_tree_select("cpu")
+check_tree_accept("cpu")
+check_tree_step_rows("cpu")
+for dtype in (torch.float32, torch.bfloat16):
+    check_tree_expand("cpu", dtype)
+    check_tree_root_children("cpu", dtype)
+    check_tree_move("cpu", dtype)
+"""
+
+
+def test_fused_tree_search_kernels_in_the_interpreter_match_the_pytorch_forms():
+    # A search level's bookkeeping (the first level's too), the tree's selection, a greedy step's acceptance, the
+    # step's row inputs and the accepted nodes' move, each one kernel, against the PyTorch forms the CPU runs: equal
+    # outputs, ties included.
+    _run_in_interpreter(_TREE_SEARCH_IN_INTERPRETER, timeout=900)
+
+
+_FUSED_TREE_PROGRAM_IN_INTERPRETER = """
+from dataclasses import replace
+from conftest import count_accepted, write_peaked_random_head
+from gemv_interpreter_check import interpreter_range
+from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+from specserve.config import SpecConfig
+from specserve.engine import factory
+from specserve.kernels.triton import follow as triton_follow, tree as triton_tree
+from specserve.engine.factory import build_engine_core
+triton_tree.range = triton_follow.range = interpreter_range
+factory.TREE_PROGRAM_ON_CPU = True
+from pathlib import Path
+path, head = Path({path!r}), Path({head!r})
+write_peaked_random_head(path, head)
+prompts = _prompts(512, seed=4)
+expected = _hf_greedy(path, prompts)
+for tree in (dict(num_steps=4, eagle_topk=3, num_draft_tokens=9), dict(num_steps=1, eagle_topk=3, num_draft_tokens=4)):
+    runs = []
+    for fused in (True, False):
+        spec = SpecConfig("EAGLE3", str(head), **tree)
+        engine, _ = build_engine_core(replace(_tight_config(str(path), 200), spec=spec), progress=False)
+        program = engine.runner.spec_graphs
+        if fused:
+            program.fused = True
+            program._allocate_search(program.candidate_depth.numel())
+        accepted = count_accepted(engine)
+        outputs, _ = run_staggered(engine, prompts)
+        assert program.num_runs > 10
+        runs.append((outputs, accepted))
+    assert runs[0] == runs[1], tree
+    assert runs[0][0] == expected, tree
+"""
+
+
+def test_tree_program_with_the_fused_search_in_the_interpreter_is_lossless(tiny_checkpoint, tmp_path):
+    # The tree program on the CPU with its search's bookkeeping, selection and acceptance in the Triton kernels (run
+    # by the interpreter), five levels deep and one: HF's greedy output, and every step accepting what the PyTorch
+    # form's step accepts.
+    path = tiny_checkpoint("llama", True)
+    _run_in_interpreter(_FUSED_TREE_PROGRAM_IN_INTERPRETER.format(path=str(path), head=str(tmp_path)), timeout=900)
+
+
+_ARGMAX_IN_INTERPRETER = """
+from conftest import check_argmax
+for dtype in (torch.float32, torch.float16):
+    check_argmax("cpu", dtype)
+"""
+
+
+def test_argmax_kernels_in_the_interpreter_pick_like_torch():
+    # The greedy token of each row in two kernels (blocks of a row, then the row): ties to the lowest index
+    # across blocks, a NaN beating every number (+inf too), rows of -inf, strided rows and leading dimensions.
+    _run_in_interpreter(_ARGMAX_IN_INTERPRETER, timeout=600)
+
+
+_NORM_PAIR_IN_INTERPRETER = """
+from conftest import check_rms_norm_pair
+check_rms_norm_pair("cpu", torch.float32, 1e-5)
+check_rms_norm_pair("cpu", torch.float16, 1e-2)
+"""
+
+
+def test_rms_norm_pair_in_the_interpreter_matches_the_eager_norms():
+    # An EAGLE-3 head's input: both norms, each into its half of one row, in one kernel.
+    _run_in_interpreter(_NORM_PAIR_IN_INTERPRETER, timeout=300)
+
+
+def test_chain_acceptance_kernel_in_the_interpreter_packs_like_accept_chain():
+    # The greedy chain step's acceptance, packing and copies for a following step, in one kernel.
+    _run_in_interpreter("from conftest import check_accept_and_pack\ncheck_accept_and_pack('cpu')\n", timeout=300)
+
+
+_CHAIN_ROWS_IN_INTERPRETER = """
+from conftest import check_chain_rows
+from gemv_interpreter_check import interpreter_range
+from specserve.kernels.triton import follow as triton_follow
+triton_follow.range = interpreter_range
+check_chain_rows("cpu")
+"""
+
+
+def test_chain_row_inputs_kernel_in_the_interpreter_matches_pytorch():
+    # Context lengths, tails and per-row page tables of the chain program's three forwards, in one kernel.
+    _run_in_interpreter(_CHAIN_ROWS_IN_INTERPRETER, timeout=300)
+
+
+_SLOTS_FOR_SM90 = """
+import itertools
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specserve.kernels.triton import gemv as triton_gemv
+
+def alloc_slots(kernel, types, constants, stages):
+    # Pointers, sizes and strides are given as multiples of 16, as serving's launches specialise them.
+    signature = {name: "constexpr" if name in constants else types[name] for name in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constants
+             and (types[name].startswith("*") or name in ("N", "K", "K_SPLIT") or name.startswith("stride"))}
+    ir = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=4, num_stages=stages)).asm["ttgir"]
+    return re.findall(r"ttg\\.local_alloc : \\(\\) -> !ttg\\.memdesc<(\\d+)x(\\d+)x(\\d+)xbf16", ir)
+
+types = dict(X="*bf16", W="*bf16", OUT="*bf16", GAMMA="*bf16", RES="*bf16", SCALE="*fp32", WS="*fp32",
+             COUNTERS="*i32", M="i32", N="i32", K="i32", K_SPLIT="i32", stride_xm="i32", stride_wn="i32",
+             stride_om="i32", stride_rm="i32", eps="fp32", trigger_k="i32")
+for (block_n, block_k, stages), split in itertools.product(((64, 256, 4), (128, 128, 3)), (1, 2)):
+    for gate_up in (False, True):
+        form = dict(ROWS=16, GATE_UP=gate_up, NORM=True, GAMMA_ON=False, ADD=False, BLOCK_N=block_n,
+                    BLOCK_K=block_k, SPLIT=split, PDL=True)
+        descriptor = {**types, "W": f"tensordesc<bf16[{block_n},{block_k}]>"}
+        checks = {("TMA",): alloc_slots(triton_gemv._gemv_tma_kernel, descriptor, form, stages)}
+        for even in (True, False):
+            checks["pointer loads", even] = alloc_slots(
+                triton_gemv._gemv_kernel, types,
+                {**form, "ONE_ROW": False, "SWAP": True, "EVEN": even, "LATE_TRIGGER": True, "SCALED": False,
+                 "FP8_BITS": False}, stages)
+        for name, slots in checks.items():
+            x_slots = {int(n) for n, rows, _ in slots if int(rows) == 16}
+            w_slots = {int(n) for n, rows, _ in slots if int(rows) == block_n}
+            assert len(x_slots) == 1 and len(w_slots) == 1, (name, slots)
+            assert x_slots == w_slots, (name, block_n, block_k, stages, split, gate_up, slots)
+"""
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6."), reason="reads the IR of Triton 3.6's pipeliner")
+def test_swapped_moved_norm_dot_has_as_many_slots_as_the_weight_compiled_for_sm90():
+    # Compiled for sm_90 (no GPU needed), with pointers, sizes and strides multiples of 16 as in serving: in the
+    # swapped form whose norm weight sits in the projection, x's shared buffer is the asynchronous wgmma's
+    # operand, as the weight's is, so it needs as many slots. With the sum of squares reading that same buffer,
+    # Triton 3.6 gave it one fewer and the next loads raced the dot in flight (wrong results on an H200).
+    # Checked with PDL (as launched on sm_90), with and without the gate/up pair, with and without masks, whole
+    # and split over K.
+    run = subprocess.run([sys.executable, "-c", _SLOTS_FOR_SM90], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr[-2000:]
