@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specserve.speculative import registry as speculative_registry
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig, SpecConfig
 
 
@@ -29,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-overlap", "--disable-overlap-schedule", dest="disable_overlap", action="store_true",
                    help="read each GPU step back before preparing the next")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "DRAFT_MODEL", "NONE"],
+    s.add_argument("--speculative-algorithm", default=None, choices=[*speculative_registry.ALGORITHMS, "NONE"],
                    help="default: EAGLE3 with the bundled head for the embedded default model, else none")
     s.add_argument("--speculative-draft-model-path", default=None,
                    help="EAGLE3: a head in the public EAGLE-3 format; DRAFT_MODEL: a smaller HF causal LM")

@@ -5,7 +5,7 @@ N's tokens and postprocess them while the device runs N+1. A decoding request's 
 placeholder for the token N is still sampling (engine/futures.py). The price: a request that finishes at N
 has already been given one more token of work at N+1, which is dropped.
 
-Drafting steps overlap too when they run as the chain or tree program (engine/chain_graphs.py), whose inputs
+Drafting steps overlap too when they run as the chain or tree program (speculative/programs/chain.py), whose inputs
 the device can derive from the last step's results: while step N drafts, step N + 1 is built from what the
 host knows (up to N's root: `Scheduler.follow`, with pages for the most N can accept) and launched, and N is
 read back behind it. Anything else (a prompt arriving, the draft plan changing its mind, a request near its
@@ -19,12 +19,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from specserve.core import FinishReason, Request, SamplingParams, ScheduledSeq, StepBatch
 from specserve.engine.futures import has_placeholder
 from specserve.engine.phases import NoTimer
-from specserve.core import FinishReason, Request
-from specserve.core import ScheduledSeq, StepBatch
 from specserve.engine.scheduler import Scheduler
-from specserve.core import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +78,7 @@ class _InFlight:
 
 
 class StepObserver(Protocol):
-    """What an adaptive draft plan learns from (spec/plan.py)."""
+    """What an adaptive draft plan learns from (speculative/plan.py)."""
 
     def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None: ...
 

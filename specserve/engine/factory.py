@@ -1,9 +1,11 @@
 """Everything that touches files or devices to bring an engine up lives here, not in constructors."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -12,24 +14,19 @@ import torch
 
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.engine import EngineCore
-from specserve.kv.pages import PageAllocator
+from specserve.engine.futures import FutureTokens
 from specserve.engine.runner import ModelRunner
-from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
 from specserve.engine.scheduler import Scheduler
+from specserve.kv.pages import PageAllocator
+from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
 from specserve.layers.attention import decode_kernel_takes
-from specserve.models.eagle3 import Eagle3Head
-from specserve.models.loader import build_model, load_eagle3_head
-from specserve.speculative.drafters.base import DraftModelDrafter, Eagle3Drafter
+from specserve.models.loader import build_model
+from specserve.speculative import registry as speculative_registry
 from specserve.speculative.plan import AdaptivePlan
-from specserve.speculative.search import TreeProposer, scratch_slots
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
 CPU_KV_BYTES_CAP = 2 * 2**30
-RANDOM_HEAD_LOGIT_STD = 10.0
-# Tree steps as one program on a CPU too (tests check the program there; serving keeps the general search,
-# which measured 1.7x the program's speed on 2 cores, where a read-back costs nothing).
-TREE_PROGRAM_ON_CPU = False
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,7 +75,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
 
 
 def _converted(gguf_path: Path, config: EngineConfig) -> Path:
-    from specserve.models.gguf import cached_conversion# needs the gguf package; HF dirs don't
+    from specserve.models.gguf import cached_conversion  # needs the gguf package; HF dirs don't
 
     return cached_conversion(gguf_path, default_cache_root(config))
 
@@ -117,29 +114,29 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)
     model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
-    draft = _build_draft_network(config, model_cfg, dtype, device, max_model_len, progress)
+    algorithm = speculative_registry.algorithm(config.spec.algorithm) if config.spec.algorithm else None
+    draft = algorithm.load(config, model_cfg, dtype, device, max_model_len, progress) if algorithm else None
     page_size = config.cache.page_size
-    per_token = kv_bytes_per_token(model_cfg, dtype) + (_draft_bytes_per_token(draft, dtype) if draft else 0)
-    # EAGLE-3 chains and trees run as one program per step (engine/chain_graphs.py, engine/tree_graphs.py).
-    # On a CPU, where a read-back costs nothing, trees keep the general search unless asked for (tests).
-    use_chain = draft is not None and _is_eagle3(draft) and config.spec.eagle_topk == 1
-    use_tree = (draft is not None and _is_eagle3(draft) and config.spec.eagle_topk > 1
-                and (device.type == "cuda" or TREE_PROGRAM_ON_CPU))
+    per_token = kv_bytes_per_token(model_cfg, dtype) + (algorithm.bytes_per_token(draft, dtype) if draft else 0)
     max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
-    # Tree programs verify their nodes in scratch slots after the pages; their room is not the requests'.
-    tree_scratch = max_bs * config.spec.max_drafts if use_tree else 0
-    num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device) - tree_scratch * per_token)
+    scratch = algorithm.target_scratch_slots(config, device, max_bs) if algorithm else 0
+    num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device) - scratch * per_token)
     use_graphs = device.type == "cuda" and not config.disable_cuda_graph
     if use_graphs:
         from specserve.kernels.pointwise import use_gpu_kernels
 
         use_gpu_kernels()
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
-    pad_page = use_graphs or use_chain or use_tree
-    kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + tree_scratch, dtype, device)
-    proposer, plan, gate, follow, adaptive = None, None, None, None, None
-    if draft is not None:
-        proposer = _build_proposer(config, draft, model, num_pages * page_size, kv_cache.shape[2], dtype, device)
+    pad_page = use_graphs or (algorithm is not None and algorithm.needs_pad_page(config, device))
+    kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + scratch, dtype, device)
+    num_slots = num_pages * page_size
+    rng = random.Random(config.random_seed)  # simulated acceptance's draws, in program and general path alike
+    speculator = None
+    if algorithm is not None:
+        speculator = algorithm.build(config, draft, model, kv_cache, num_slots, max_bs, max_model_len, rng,
+                                     capture=use_graphs, progress=progress)
+    plan, gate, follow, adaptive = None, None, None, None
+    if speculator is not None:
         plan = _fixed_plan(config.spec.max_drafts)
         if config.spec.adaptive:
             adaptive = AdaptivePlan(config.spec.max_drafts)
@@ -147,24 +144,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
                           config.spec.max_drafts, gate, follow)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
-    runner = ModelRunner(model, kv_cache, device, proposer, config.spec.simulate_accept_len, config.random_seed,
-                         config.scheduler.max_running_requests)
-    pad_slot = num_pages * page_size
-    if use_chain:
-        from specserve.speculative.programs.chain import ChainGraphs
-
-        runner.spec_graphs = ChainGraphs(model, proposer.drafter, kv_cache, config.spec.max_drafts, pad_slot, max_bs,
-                                         max_model_len, page_size, config.spec.simulate_accept_len,
-                                         runner.simulation_rng, capture=use_graphs, progress=progress)
-    if use_tree:
-        from specserve.speculative.programs.tree import TreeGraphs
-
-        # The head's scratch region starts after its padding slot (see _build_proposer).
-        runner.spec_graphs = TreeGraphs(model, proposer.drafter, kv_cache, config.spec.eagle_topk,
-                                        config.spec.num_steps, config.spec.max_drafts, pad_slot,
-                                        pad_slot + page_size, pad_slot + 1, max_bs, max_model_len, page_size,
-                                        config.spec.simulate_accept_len, runner.simulation_rng,
-                                        capture=use_graphs, progress=progress)
+    proposer = speculator.proposer if speculator is not None else None
+    futures = FutureTokens(config.scheduler.max_running_requests, device)
+    graphs, untimed_gemv = None, contextlib.nullcontext
     if use_graphs:
         from specserve.engine.graphs import DecodeGraphs
         from specserve.kernels.triton import gemv as triton_gemv
@@ -173,16 +155,17 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
             for network in (model, draft):
                 if network is not None:
                     triton_gemv.decide_all(network)
-        runner.untimed_gemv = triton_gemv.choice.untimed
-
+        untimed_gemv = triton_gemv.choice.untimed
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
-        runner.graphs = DecodeGraphs(model, kv_cache, num_pages * page_size, max_bs, max_model_len, page_size,
-                                     progress, proposer, record_layers, runner.futures)
+        graphs = DecodeGraphs(model, kv_cache, num_slots, max_bs, max_model_len, page_size, progress, proposer,
+                              record_layers, futures)
+    runner = ModelRunner(model, kv_cache, device, futures, speculator, graphs, config.spec.simulate_accept_len,
+                         rng, untimed_gemv)
     if device.type == "cuda":
         _warm_up_decode_kernel(model_cfg, kv_cache, page_size)
         if proposer is not None:
-            _warm_up_decode_kernel(_attention_config(draft), proposer.drafter.kv_cache, page_size)
+            _warm_up_decode_kernel(proposer.drafter.attention_config, proposer.drafter.kv_cache, page_size)
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
     overlap = device.type == "cuda" and not config.disable_overlap
     freeze_startup_objects()
@@ -205,35 +188,6 @@ def thaw_and_collect() -> None:
     gc.collect()
 
 
-def _build_draft_network(config: EngineConfig, target_cfg: ModelConfig, dtype, device, max_model_len: int,
-                         progress: bool) -> torch.nn.Module | None:
-    spec = config.spec
-    if spec.algorithm is None:
-        return None
-    path = None if spec.draft_model_path is None else Path(spec.draft_model_path).expanduser()
-    if path is not None and not (path / "config.json").exists():
-        raise FileNotFoundError(f"no config.json in the draft model path {path}")
-    if spec.algorithm == "EAGLE3":
-        if path is None and config.load_format != "dummy":
-            raise ValueError("--speculative-draft-model-path is required for EAGLE3 (a random head needs "
-                             "--load-format dummy)")
-        # A random head drafts over 32k tokens, the draft vocabulary of public Llama-3 EAGLE-3 heads. Its logits
-        # get a spread (std 10) at which its top choice holds ~70 % of the probability, as a trained head's
-        # often does; near-uniform drafts would keep EAGLE-2's best nodes within two levels, so a simulated
-        # acceptance length could never reach the depths trees are built for. Costs do not change.
-        head = load_eagle3_head(path, target_cfg, dtype, device, max_model_len, config.random_seed,
-                                draft_vocab_size=None if path else min(32000, target_cfg.vocab_size),
-                                logit_std=None if path else RANDOM_HEAD_LOGIT_STD,
-                                quantization=spec.draft_model_quantization)
-        if head.config.target_hidden_size != target_cfg.hidden_size or head.d2t.max() + head.config.draft_vocab_size > target_cfg.vocab_size:
-            raise ValueError("the EAGLE-3 head does not match the target: hidden size or vocabulary differ")
-        return head
-    draft_cfg = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    if draft_cfg.vocab_size > target_cfg.vocab_size:
-        raise ValueError("the draft model's vocabulary is larger than the target's: not the same tokenizer")
-    return build_model(draft_cfg, path, dtype, device, max_model_len, config.random_seed, progress)
-
-
 def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: int) -> None:
     """Eager calls of the decode kernel (decode rows of steps with prompts, the draft's catch-ups) would
     otherwise compile its forms inside serving steps."""
@@ -241,37 +195,6 @@ def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: 
         from specserve.kernels.triton import attention as triton_attention
 
         triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)
-
-
-def _attention_config(draft: torch.nn.Module) -> ModelConfig:
-    return draft.config.model if _is_eagle3(draft) else draft.config
-
-
-def _is_eagle3(draft: torch.nn.Module) -> bool:
-    return isinstance(draft, Eagle3Head)
-
-
-def _draft_bytes_per_token(draft: torch.nn.Module, dtype: torch.dtype) -> int:
-    if not _is_eagle3(draft):
-        return kv_bytes_per_token(draft.config, dtype)
-    # One layer of KV, plus the projected target taps kept for catching up.
-    hidden = draft.config.model.hidden_size
-    return kv_bytes_per_token(draft.config.model, dtype) + hidden * torch.empty((), dtype=dtype).element_size()
-
-
-def _build_proposer(config: EngineConfig, draft: torch.nn.Module, target: torch.nn.Module, num_slots: int,
-                    target_slots: int, dtype, device) -> TreeProposer:
-    spec = config.spec
-    scratch = config.scheduler.max_running_requests * scratch_slots(spec.eagle_topk, spec.num_steps, spec.max_drafts)
-    if _is_eagle3(draft):
-        # The slot after the mirrored ones (also the first scratch slot) takes padded rows' KV in graphs.
-        kv = allocate_kv_cache(draft.config.model, num_slots + scratch + 1, dtype, device)
-        # One row per target KV slot, the graphs' padding slot included.
-        taps = torch.zeros(target_slots, draft.config.model.hidden_size, dtype=dtype, device=device)
-        drafter = Eagle3Drafter(draft, target.embed_tokens, kv, taps, device)
-    else:
-        drafter = DraftModelDrafter(draft, allocate_kv_cache(draft.config, num_slots + scratch, dtype, device), device)
-    return TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots, device)
 
 
 def _fixed_plan(num_drafts: int):

@@ -18,26 +18,13 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from specserve.engine.futures import FutureTokens
+from specserve.graph_shapes import batch_buckets, context_buckets
 from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.sampler import argmax
-
-
-def batch_buckets(max_bs: int) -> list[int]:
-    small = [1, 2, 4, 8, 12, 16, 24, 32]
-    return sorted({b for b in small if b < max_bs} | set(range(48, max_bs, 16)) | {max_bs})
-
-
-def context_buckets(max_context: int, page_size: int) -> list[int]:
-    buckets, size = [], max(256, page_size)
-    while size < max_context:
-        buckets.append(size)
-        size *= 2
-    return buckets + [max_context]
 
 
 class StepInputs(NamedTuple):

@@ -7,12 +7,13 @@ import random
 
 import torch
 
-from specserve.speculative.programs.chain import unpack
+from specserve.core import StepBatch
 from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.engine.phases import NoTimer
-from specserve.core import StepBatch
 from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.sampler import sample
+from specserve.speculative.base import Speculator
+from specserve.speculative.programs.base import unpack
 from specserve.speculative.simulate import simulated_verdict
 from specserve.speculative.verify import Verdict, verify
 from specserve.transfer import tensor_on, to_device
@@ -29,7 +30,7 @@ class StepOutput:
                  placeholders: list[int] | None = None, program_width: int | None = None) -> None:
         self._ready = ready
         self.placeholders = placeholders
-        # A chain or tree program's step: device_tokens are its packed rows (chain_graphs.unpack), and a
+        # A chain or tree program's step: device_tokens are its packed rows (speculative/programs/base.py: unpack), and a
         # following step may continue it on the device (Scheduler.follow) with this many tokens per row.
         self.program_width = program_width
         self._host, self._copied = device_tokens, None
@@ -50,103 +51,116 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device, proposer=None,
-                 simulate_accept_len: float | None = None, seed: int = 0, max_seqs: int = 256) -> None:
+    """One step: the speculative program if the algorithm has one that fits the batch, else the general path:
+    the proposer's draft trees (if any sequence drafts), one target forward over every row (a captured decode
+    graph when the step is plain decode), then sampling, or verification of the trees (speculative/verify.py)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device, futures: FutureTokens,
+                 speculator: Speculator | None = None, graphs=None, simulate_accept_len: float | None = None,
+                 simulation_rng: random.Random | None = None, untimed_gemv=contextlib.nullcontext) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.proposer = proposer
-        self.futures = FutureTokens(max_seqs, device)
-        # Speed studies only: replaces verification's verdict (spec/simulate.py).
+        self.futures = futures
+        self.proposer = speculator.proposer if speculator is not None else None
+        self.program = speculator.program if speculator is not None else None  # StepProgram
+        self.graphs = graphs  # DecodeGraphs, on a GPU
+        # Speed studies only: replaces verification's verdict (speculative/simulate.py).
         self.simulate_accept_len = simulate_accept_len
-        self.simulation_rng = random.Random(seed)
+        self.simulation_rng = simulation_rng or random.Random(0)
         self.timer = NoTimer()
-        self.graphs = None  # DecodeGraphs, on a GPU
-        self.spec_graphs = None  # ChainGraphs or TreeGraphs: an EAGLE-3 step as one program
-        # Training-data capture (specserve.train.datagen): sees every computed token's taps and hidden state.
-        self.recorder = None
+        self.recorder = None  # see `recording`
         # With CUDA graphs, the GEMV choices are made at startup; a step's eager calls take cuBLAS for shapes
-        # still undecided rather than time them mid-step (triton_gemv.Choice.untimed).
-        self.untimed_gemv = contextlib.nullcontext
+        # still undecided rather than time them mid-step (kernels/tuning: `untimed`).
+        self.untimed_gemv = untimed_gemv
+
+    @contextlib.contextmanager
+    def recording(self, recorder):
+        """Training-data capture (specserve.train.datagen): while open, `recorder` sees every computed token's
+        taps and hidden state, and steps take the general path."""
+        self.recorder = recorder
+        try:
+            yield recorder
+        finally:
+            self.recorder = None
 
     def execute(self, batch: StepBatch) -> list[list[int]]:
         """Runs the step; for each sequence that samples, returns its accepted drafts plus one new token."""
         return self.launch(batch).tokens()
 
     def launch(self, batch: StepBatch, publish: bool = False) -> StepOutput:
-        """Queues the step on the device. A step without drafts, or a chain or tree program's step, returns
-        before its tokens are read back; with `publish`, a step without drafts also stores them as futures that
-        the next step's inputs may name. A batch with `follow` takes the program (its inputs are on the device)."""
+        """Queues the step on the device. A step without drafts, or a program's step, returns before its tokens
+        are read back; with `publish`, a step without drafts also stores them as futures that the next step's
+        inputs may name. A batch with `follow` takes the program (its inputs are on the device)."""
         with self.untimed_gemv():
             return self._launch(batch, publish)
 
     @torch.inference_mode()
     def _launch(self, batch: StepBatch, publish: bool) -> StepOutput:
-        program = self.spec_graphs if self.recorder is None else None
+        program = self.program if self.recorder is None else None
+        if program is not None and program.fits(batch):
+            return StepOutput(device_tokens=program.launch(batch, self.timer), program_width=program.width)
         if batch.follow is not None:  # only the program can derive its inputs
-            if program is None or not program.fits(batch):
-                raise ValueError("a following step needs the chain or tree program, at a shape it covers")
-            return self._program_output(program, batch)
-        if program is not None:
-            fits = program.fits(batch)
-            if not fits and any(s.num_draft_tokens for s in batch.seqs):
-                trimmed = program.without_backlog(batch)
-                if program.fits(trimmed):
-                    with self.timer.phase("catch_up"):
-                        program.catch_up_backlog(batch)
-                    batch, fits = trimmed, True
-            if fits:
-                return self._program_output(program, batch)
+            raise ValueError("a following step needs the chain or tree program, at a shape it covers")
         seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
         if not trees and self._graph_fits(seqs) and (self.recorder is None or self.graphs.record_layers):
-            with self.timer.phase("forward"):
-                out = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
-                                      [s.page_ids for s in seqs])
-                if self.recorder is not None:
-                    taps, hidden = self.graphs.recorded(len(seqs))
-                    self.recorder.record(seqs, [taps], hidden)
-            if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
-                with self.timer.phase("follow"):
-                    self.proposer.extend_drafter(batch)
-            with self.timer.phase("sample"):
-                if all(s.params.greedy for s in seqs):  # the graph took the argmax
-                    return self._plain_output(out.greedy, publish)
-                return self._sample_plain(seqs, out.logits.float(), publish)
+            return self._graph_step(batch, publish)
         with self.timer.phase("prepare"):
             input_ids, positions, meta, token_lists = self._prepare(batch, trees)
         with self.timer.phase("forward"):
-            capture = self.proposer.capture_layers if self.proposer is not None else ()
-            if self.recorder is not None:
-                capture = self.recorder.capture_layers
-            hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
-            if self.proposer is not None:
-                self.proposer.observe(captured, meta.slot_mapping)
-            if self.recorder is not None:
-                self.recorder.record(seqs, captured, hidden)
+            hidden = self._forward(seqs, input_ids, positions, meta)
         if self.proposer is not None:
             with self.timer.phase("follow"):
                 self.proposer.extend_drafter(batch)
         with self.timer.phase("sample"):
-            ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
-            # Logit rows: the last row of a plain sequence; every tree node of a speculating one.
-            rows, spans = [], []
-            for i, s in enumerate(seqs):
-                if s.sample:
-                    width = len(token_lists[i]) if i in trees else 1
-                    spans.append((i, len(rows), width))
-                    rows.extend(range(ends[i] - width, ends[i]))
-            if not rows:
-                return StepOutput(ready=[], placeholders=[])
-            logits = self.model.compute_logits(hidden[tensor_on(rows, self.device)]).float()
-            if not trees:
-                return self._sample_plain([seqs[i] for i, _, _ in spans], logits, publish)
-            return StepOutput(ready=self._choose(seqs, trees, logits, spans, batch.page_size))
+            return self._sample_or_verify(batch, trees, token_lists, hidden, publish)
 
-    def _program_output(self, program, batch: StepBatch) -> StepOutput:
+    def _graph_step(self, batch: StepBatch, publish: bool) -> StepOutput:
+        """A plain decode step from a captured graph."""
+        seqs = batch.seqs
         with self.timer.phase("forward"):
-            return StepOutput(device_tokens=program.launch(batch), program_width=program.width)
+            out = self.graphs.run([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
+                                  [s.page_ids for s in seqs])
+            if self.recorder is not None:
+                taps, hidden = self.graphs.recorded(len(seqs))
+                self.recorder.record(seqs, [taps], hidden)
+        if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
+            with self.timer.phase("follow"):
+                self.proposer.extend_drafter(batch)
+        with self.timer.phase("sample"):
+            if all(s.params.greedy for s in seqs):  # the graph took the argmax
+                return self._plain_output(out.greedy, publish)
+            return self._sample_plain(seqs, out.logits.float(), publish)
+
+    def _forward(self, seqs, input_ids, positions, meta) -> torch.Tensor:
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        if self.recorder is not None:
+            capture = self.recorder.capture_layers
+        hidden, captured = self.model(input_ids, positions, meta, self.kv_cache, capture)
+        if self.proposer is not None:
+            self.proposer.observe(captured, meta.slot_mapping)
+        if self.recorder is not None:
+            self.recorder.record(seqs, captured, hidden)
+        return hidden
+
+    def _sample_or_verify(self, batch: StepBatch, trees: dict, token_lists, hidden, publish: bool) -> StepOutput:
+        seqs = batch.seqs
+        ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
+        # Logit rows: the last row of a plain sequence; every tree node of a speculating one.
+        rows, spans = [], []
+        for i, s in enumerate(seqs):
+            if s.sample:
+                width = len(token_lists[i]) if i in trees else 1
+                spans.append((i, len(rows), width))
+                rows.extend(range(ends[i] - width, ends[i]))
+        if not rows:
+            return StepOutput(ready=[], placeholders=[])
+        logits = self.model.compute_logits(hidden[tensor_on(rows, self.device)]).float()
+        if not trees:
+            return self._sample_plain([seqs[i] for i, _, _ in spans], logits, publish)
+        return StepOutput(ready=self._choose(seqs, trees, logits, spans, batch.page_size))
 
     def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool) -> StepOutput:
         """One token per sequence, sampled without leaving the device."""

@@ -12,9 +12,8 @@ from collections import deque
 from typing import Callable
 
 from specserve.config import SchedulerConfig
+from specserve.core import FinishReason, Request, ScheduledSeq, Status, StepBatch
 from specserve.kv.pages import PageAllocator
-from specserve.core import FinishReason, Request, Status
-from specserve.core import SamplingParams
 
 
 class Scheduler:
@@ -32,12 +31,12 @@ class Scheduler:
         # How many tokens to draft for a decoding request this step (at most max_draft_tokens, what the
         # proposer was sized for); None: never speculate.
         self.draft_plan = draft_plan
-        # Whether a step of only decoding requests drafts at all (spec/plan.py); None: whenever it can.
+        # Whether a step of only decoding requests drafts at all (speculative/plan.py); None: whenever it can.
         self.draft_gate = draft_gate
         self._gate_open = True  # its last answer
         self._gate_answered = False  # asked already this step (by `follow`)
         # Whether drafting would pay for a batch, asked in steps with prompts: their chunks are worth following
-        # only if the batch they join is to draft (spec/plan.py); None: the gate's last answer decides.
+        # only if the batch they join is to draft (speculative/plan.py); None: the gate's last answer decides.
         self.follow_gate = follow_gate
         self.max_draft_tokens = max_draft_tokens
         self.allocator = allocator

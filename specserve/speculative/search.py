@@ -1,4 +1,4 @@
-"""Proposers draft tokens for the sequences of one step. The runner calls them; they never call back.
+"""The general draft search: `TreeProposer`, the `Proposer` (speculative/base.py) of every drafter.
 
 `propose(batch) -> {sequence index: DraftTree}` for every sequence with `num_draft_tokens > 0`, rooted at the
 sequence's last token, with exactly `num_draft_tokens` drafts. Drafts are chosen deterministically (top-k of
@@ -16,52 +16,13 @@ searching live in a scratch region after the mirrored slots; their KV is thrown 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from specserve.core import ScheduledSeq, StepBatch
 from specserve.layers.attention import AttentionMetadata
+from specserve.speculative.drafters.base import Drafter
 from specserve.speculative.tree import DraftTree, best_first_tree
-
-
-class Proposer(Protocol):
-    # Target layers whose outputs the proposer reads; the runner hands them over through `observe`.
-    capture_layers: tuple[int, ...]
-
-    def propose(self, batch: StepBatch) -> dict[int, DraftTree]: ...
-
-    def extend_drafter(self, batch: StepBatch) -> None:
-        """After the target's forward: extend the drafter over catch-up tokens of sequences that do not draft."""
-
-    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
-        """The target's tapped layer outputs for the tokens it computed this step, at their KV slots."""
-
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The runner moved accepted tree nodes' KV from `src` to `dst` slots; move what is kept per slot."""
-
-
-class Drafter(Protocol):
-    """One draft network, as the tree search sees it."""
-
-    kv_cache: torch.Tensor
-    # 1 if the network at position j reads token j+1 (EAGLE: hidden state of j, embedding of j+1), else 0.
-    shift: int
-    capture_layers: tuple[int, ...]
-
-    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Computes the drafter's KV up to each root; returns logits for the token after the root, and the
-        state a child of the root is fed with (None if the drafter keeps no state)."""
-
-    def extend(self, tokens: torch.Tensor, states: torch.Tensor | None, positions: torch.Tensor,
-               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feeds draft nodes (target ids); returns logits after each and the state its children are fed with."""
-
-    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor: ...
-
-    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None: ...
-
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
 
 
 def search_depth(num_drafts: int, topk: int, num_steps: int) -> int:

@@ -97,11 +97,10 @@ def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], par
     if graphs is not None and graphs.record_layers and graphs.record_layers != tuple(capture_layers):
         raise ValueError(f"the CUDA graphs record layers {graphs.record_layers}, not {capture_layers}")
     recorder = TapRecorder(capture_layers)
-    runner.recorder = recorder
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = []
     bar = tqdm(total=len(prompts), desc="generating answers", unit="prompt", disable=not progress)
-    try:
+    with runner.recording(recorder), bar:
         for first in range(0, len(prompts), shard_size):
             trackers = [llm.add(p, params) for p in prompts[first:first + shard_size]]
             while llm.engine.has_work():
@@ -111,9 +110,6 @@ def generate(llm, prompts: list[list[int]], capture_layers: tuple[int, ...], par
             recorder.clear()
             shards.append(write_shard(samples, out_dir / f"{prefix}-{len(shards):05d}.safetensors"))
             bar.update(len(trackers))
-    finally:
-        runner.recorder = None
-        bar.close()
     return shards
 
 

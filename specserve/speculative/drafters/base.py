@@ -1,4 +1,7 @@
-"""The two drafters behind `TreeProposer`: a standalone draft model, and an EAGLE-3 head on the target.
+"""The drafter interface the tree search drives, and what drafters share: catching up in bounded passes.
+
+The drafters: an EAGLE-3 head on the target (drafters/eagle3.py) and a standalone draft model
+(drafters/draft_model.py).
 
 Both keep a KV pool that mirrors the target's pages, plus a scratch region for the tree search. Both extend
 their KV over prompt chunks in the step that computes them (and over decoding requests' tokens in steps that
@@ -8,6 +11,8 @@ batched forward. So a decode step that drafts nothing costs nothing extra (the E
 target's projected taps, one row per token).
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -48,7 +53,7 @@ def split_catch_up(chunks: list[tuple[list[int], int]], max_tokens: int | None =
     return passes, tails
 
 
-def _catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq], page_size: int, device):
+def catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq], page_size: int, device):
     """Token ids, positions and attention metadata for (tokens, start position) chunks, one per sequence."""
     input_ids = tensor_on([t for ids, _ in chunks for t in ids], device)
     positions = to_device(torch.cat([torch.arange(p, p + len(ids)) for ids, p in chunks]), device)
@@ -60,95 +65,24 @@ def _catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq]
     return input_ids, positions, meta, last
 
 
-def eagle3_catch_up(seq: ScheduledSeq) -> tuple[list[int], int]:
-    """The tokens an EAGLE-3 head must be fed before drafting for `seq`, and the position of the first. It
-    has seen tokens [draft_start_pos, root]; position j pairs token j+1 with the taps of j, so the positions
-    to compute run from draft_start_pos - 1 (never below 0) to root - 1."""
-    first = max(seq.draft_start_pos - 1, 0)
-    return seq.draft_catchup_ids[first + 1 - seq.draft_start_pos:], first
+class Drafter(Protocol):
+    """One draft network, as the tree search sees it."""
 
+    kv_cache: torch.Tensor
+    # 1 if the network at position j reads token j+1 (EAGLE: hidden state of j, embedding of j+1), else 0.
+    shift: int
+    capture_layers: tuple[int, ...]
 
-class DraftModelDrafter:
-    """A smaller causal LM with the target's tokenizer. At position j it reads token j, like the target."""
+    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Computes the drafter's KV up to each root; returns logits for the token after the root, and the
+        state a child of the root is fed with (None if the drafter keeps no state)."""
 
-    shift = 0
-    capture_layers: tuple[int, ...] = ()
+    def extend(self, tokens: torch.Tensor, states: torch.Tensor | None, positions: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feeds draft nodes (target ids); returns logits after each and the state its children are fed with."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, device: torch.device) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.device = device
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, None]:
-        # Every token from the first the draft has not seen up to the root, itself included.
-        passes, chunks = split_catch_up([(s.draft_catchup_ids, s.draft_start_pos) for s in seqs])
-        for pieces in passes:
-            self._extend_over([(ids, p) for _, ids, p in pieces], [seqs[b] for b, _, _ in pieces], page_size)
-        hidden, last = self._extend_over(chunks, seqs, page_size)
-        return self.model.compute_logits(hidden[last]), None
+    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None: ...
 
-    def _extend_over(self, chunks, seqs, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft model over (tokens, first position) chunks, one per sequence: its hidden states, and each
-        chunk's last row."""
-        input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
-        hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
-        return hidden, last
-
-    def extend(self, tokens, states, positions, meta) -> tuple[torch.Tensor, None]:
-        hidden, _ = self.model(tokens, positions, meta, self.kv_cache)
-        return self.model.compute_logits(hidden), None
-
-    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids
-
-    def observe(self, captured, slot_mapping) -> None:
-        pass
-
-    def move_slots(self, src, dst) -> None:
-        pass  # drafts' KV is recomputed from the accepted tokens at the next catch-up
-
-
-class Eagle3Drafter:
-    """An EAGLE-3 head. At position j it reads the target's taps at j (projected by `fc`) and the embedding of
-    token j+1, and predicts token j+2; fed back, it reads its own output in place of the taps.
-
-    `taps` holds the projected taps of every token the target computed, at that token's KV slot, so catching
-    up needs no extra target work.
-    """
-
-    shift = 1
-
-    def __init__(self, head: torch.nn.Module, embed: torch.nn.Module, kv_cache: torch.Tensor, taps: torch.Tensor,
-                 device: torch.device) -> None:
-        self.head = head
-        self.embed = embed
-        self.kv_cache = kv_cache
-        self.taps = taps
-        self.device = device
-        self.capture_layers = head.config.target_layers
-
-    def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
-        self.taps.index_copy_(0, slot_mapping, self.head.project_taps(captured).to(self.taps.dtype))
-
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.taps[dst] = self.taps[src]
-
-    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        passes, chunks = split_catch_up([eagle3_catch_up(s) for s in seqs])
-        for pieces in passes:
-            self._extend_over([(ids, p) for _, ids, p in pieces], [seqs[b] for b, _, _ in pieces], page_size)
-        out, last = self._extend_over(chunks, seqs, page_size)
-        return self.head.compute_logits(out[last]), out[last]
-
-    def _extend_over(self, chunks, seqs, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over (tokens, first position) chunks, one per sequence: its outputs, and each chunk's last row."""
-        input_ids, positions, meta, last = _catch_up_meta(chunks, seqs, page_size, self.device)
-        hidden = self.taps[meta.slot_mapping]
-        return self.head(self.embed(input_ids), hidden, positions, meta, self.kv_cache), last
-
-    def extend(self, tokens, states, positions, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.head(self.embed(tokens), states, positions, meta, self.kv_cache)
-        return self.head.compute_logits(out), out
-
-    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head.to_target_ids(ids)
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...

@@ -1,6 +1,6 @@
 """EAGLE-2 dynamic trees with an EAGLE-3 head as one device program per step, captured in CUDA graphs on a GPU.
 
-The same search as `spec/proposer.py` (top-k children per node, the k best new candidates fed back per
+The same search as `speculative/search.py` (top-k children per node, the k best new candidates fed back per
 level, the best N candidates overall by cumulative draft log-probability; cumulative scores here are summed
 in float32 rather than Python floats, which can only reorder exact near-ties), but with fixed shapes, so one
 step is one program with one read-back:
@@ -11,7 +11,7 @@ step is one program with one read-back:
 3. keep the N best candidates (parents come first, so every kept node's ancestors are kept);
 4. verify root + N nodes with the target in one forward, each node attending to the context and its path;
 5. accept on the device: the deepest node whose path matches the target's argmax at every step, then the
-   target's own token after it; for a sampled row, spec/verify.py's walk down the tree, drawn on the device
+   target's own token after it; for a sampled row, speculative/verify.py's walk down the tree, drawn on the device
    (`accept_tree_sampled`);
 6. move the accepted nodes' KV and taps from their scratch slots to the positions they now hold.
 
@@ -21,7 +21,7 @@ mirrored pages. The paged decode kernel reaches them as each row's "tail": a sho
 the row's context. The root takes its own slot, so every node's context is the sequence up to the root.
 
 Greedy requests and sampled requests without a seed (simulated acceptance too), as the chain program takes
-them (engine/chain_graphs.py; steps with sampled rows run the program eagerly, not from a graph); seeded ones
+them (speculative/programs/chain.py; steps with sampled rows run the program eagerly, not from a graph); seeded ones
 take the general path. On a CPU the same program runs eagerly, with attention in PyTorch, which is how CI
 checks it.
 """
@@ -30,59 +30,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.speculative.programs.chain import SpecGraphs, page_slots, put_where, table_slots
-from specserve.core import StepBatch
+from specserve.speculative.accept import accept_tree_sampled
+from specserve.speculative.programs.base import SpecGraphs, page_slots, put_where, table_slots
 from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.sampler import argmax, filtered_probs, race
 from specserve.speculative.search import search_depth
 from specserve.transfer import tensor_on
 
 
-def accept_tree_sampled(nodes: dict, dist, depth: int, max_children: int):
-    """Nodes as `TreeGraphs._select` makes them (tokens, parent, in_tree: [B, N + 1], node 0 the root) and
-    `dist`, which maps a node per row [B] to the target's filtered distribution after it [B, V] -> (the
-    accepted node [B], the token after it [B]).
-
-    spec/verify.py's walk, with no host branching: at node c, with r = p_c, its children in node order are
-    tried in turn, child x accepted with probability r(x) / sum(r), else r(x) = 0; an accepted child becomes c.
-    Where none is accepted (or c is a leaf) the last token is drawn from r by the exponential race. Fixed loops:
-    `depth` levels, `max_children` children a node. Distributions are computed for the nodes the walk reaches
-    only (one [B, V] a level), not for every node of the tree."""
-    tokens, parent, in_tree = nodes["tokens"], nodes["parent"], nodes["in_tree"]
-    bs, width = tokens.shape
-    device = tokens.device
-    is_child_slot = torch.arange(width, device=device)[None, :] > 0
-    node = torch.zeros(bs, dtype=torch.long, device=device)
-    done = torch.zeros(bs, dtype=torch.bool, device=device)
-    here = rest = dist(node)  # p at each row's node, and what is left of it
-    for _ in range(depth):
-        children = (parent == node[:, None]) & in_tree & is_child_slot
-        sibling_rank = children.cumsum(dim=1) - 1
-        moved = torch.zeros_like(done)
-        for m in range(max_children):
-            is_m = children & (sibling_rank == m)
-            trying = is_m.any(dim=1) & ~done & ~moved
-            child = is_m.int().argmax(dim=1)
-            token = tokens.gather(1, child[:, None])
-            mass = rest.gather(1, token)[:, 0]
-            take = trying & (torch.rand(bs, device=device) * rest.sum(dim=1) < mass)
-            rest = rest.scatter(1, token, torch.where((trying & ~take)[:, None], 0.0, mass[:, None]))
-            node = torch.where(take, child, node)
-            moved |= take
-        done |= ~moved
-        reached = dist(node)
-        here = torch.where(moved[:, None], reached, here)
-        rest = torch.where(moved[:, None], reached, rest)
-    # Rounding can leave no mass after a rejection only where the rejected children held it all: keep p_c.
-    return node, race(torch.where(rest.sum(dim=1, keepdim=True) > 0, rest, here))
-
-
 def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities [rows, k] in fp32, token ids [rows, k]) of each row's k best, best first. On a GPU
-    (unless SPECSERVE_FUSED_TOPK=0), two Triton kernels do it (engine/triton_topk.py): the same values, ties
+    (unless SPECSERVE_FUSED_TOPK=0), two Triton kernels do it (kernels/triton/topk.py): the same values, ties
     ranked to the lower token id, where torch.topk leaves their order open."""
     if logits.is_cuda:
-        from specserve.kernels.triton import topk as triton_topk# Triton: GPU machines only
+        from specserve.kernels.triton import topk as triton_topk  # Triton: GPU machines only
 
         if triton_topk.ENABLED:
             return triton_topk.fused_log_softmax_topk(logits, k)
@@ -97,7 +58,7 @@ def candidate_depths(topk: int, depth: int) -> torch.Tensor:
 
 
 def _fused_search_enabled(num_candidates: int) -> bool:
-    from specserve.kernels.triton import tree as triton_tree# Triton: GPU machines only
+    from specserve.kernels.triton import tree as triton_tree  # Triton: GPU machines only
 
     return triton_tree.ENABLED and num_candidates <= triton_tree.MAX_CANDIDATES
 
@@ -108,7 +69,7 @@ def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
 
 
 class TreeGraphs(SpecGraphs):
-    fused = False  # the search's bookkeeping in Triton kernels (engine/triton_tree.py): on a GPU, by default
+    fused = False  # the search's bookkeeping in Triton kernels (kernels/triton/tree.py): on a GPU, by default
 
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, topk: int, num_steps: int,
                  num_drafts: int, pad_slot: int, target_scratch: int, head_scratch: int, max_bs: int,
@@ -117,6 +78,7 @@ class TreeGraphs(SpecGraphs):
         """The target's KV pool holds `max_bs * num_drafts` scratch slots from `target_scratch`, the head's
         `max_bs * topk * (depth - 1)` from `head_scratch`."""
         self.topk, self.num_drafts = topk, num_drafts
+        self.max_drafts = num_drafts
         self.depth = search_depth(num_drafts, topk, num_steps)
         # Accepting a path of the full depth adds depth + 1 tokens, which the next catch-up feeds.
         super().__init__(target, drafter, kv_cache, self.depth + 1, pad_slot, max_bs, max_context, page_size,
@@ -137,7 +99,7 @@ class TreeGraphs(SpecGraphs):
             self._capture(progress, "capturing speculative tree graphs")
 
     def _allocate_search(self, num_candidates: int) -> None:
-        """Static buffers of the fused search (engine/triton_tree.py): the candidates, what each level feeds the
+        """Static buffers of the fused search (kernels/triton/tree.py): the candidates, what each level feeds the
         next (two sets, a level reads one and writes the other), and the first level's paths."""
         b, k, depth = self.max_bs, self.topk, self.depth
         hidden, dtype = self.head.config.model.hidden_size, self.target.embed_tokens.weight.dtype
@@ -168,9 +130,6 @@ class TreeGraphs(SpecGraphs):
         return {"catch_ids": ((b, w), 0), "catch_pos": ((b, w), 0), "catch_slots": ((b, w), 0),
                 "last_row": ((b,), 0), "root_ids": ((b,), 0), "root_pos": ((b,), 0), "root_slots": ((b,), 0),
                 "real_slots": ((b, self.depth), 0), "limit": ((b,), 0), "forced": ((b,), 0)}
-
-    def fits(self, batch: StepBatch) -> bool:
-        return self._rows_fit(batch, self.num_drafts)
 
     def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         ps, pad, depth = self.page_size, self.pad_slot, self.depth

@@ -1,0 +1,361 @@
+"""What the chain and tree step programs share (speculative/programs/chain.py, tree.py).
+
+A program runs one whole speculative step of an EAGLE-3 head (catch up, draft, verify, accept) on the device with
+fixed shapes, so it can be captured in CUDA graphs per (batch bucket, context bucket) and read back once. Its
+per-step inputs live in one device buffer (one upload); rows of a step launched before the last one was read back
+(overlap) derive their inputs from it on the device (`_follow`).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import replace
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specserve.core import SamplingParams, StepBatch
+from specserve.graph_shapes import batch_buckets, context_buckets
+from specserve.layers.attention import AttentionMetadata
+from specserve.speculative.drafters.eagle3 import eagle3_catch_up
+from specserve.speculative.simulate import draw_num_accepted
+
+
+GREEDY = SamplingParams(temperature=0.0)  # the settings of a padding row
+
+# Backlogs up to this many rows a sequence catch up as decode rows on a GPU; longer ones (the head left behind
+# for a long shut spell) as a prefill chunk, which reads each context once instead of once per row.
+DECODE_ROWS_BACKLOG = 64
+
+
+class SpecGraphs:
+    """What chain and tree programs share: per-step inputs in one device buffer (one upload), graphs captured
+    per (batch bucket, context bucket), a launch that replays (or, on a CPU or with sampled rows, runs) the
+    program and leaves each sequence's new tokens packed for one read-back, and rows that follow the last
+    launch (`_follow`). Subclasses define the buffers, the rows and the program."""
+
+    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int, pad_slot: int,
+                 max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng) -> None:
+        self.target, self.drafter, self.kv_cache = target, drafter, kv_cache
+        self.head = drafter.head
+        self.width = width  # catch-up rows per sequence; also the positions a step may add past its root
+        self.pad_slot, self.page_size = pad_slot, page_size
+        self.simulate_accept_len, self.rng = simulate_accept_len, rng
+        self.device = kv_cache.device
+        self.batch_sizes = batch_buckets(max_bs)
+        self.context_lens = context_buckets(max_context, page_size)
+        self.max_bs = self.batch_sizes[-1]
+        self.num_runs = 0
+        self._allocate()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # per graph: its packed tokens and counts
+
+    def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Per-step input name -> (shape at the largest batch, which axis is the batch)."""
+        raise NotImplementedError
+
+    def _allocate(self) -> None:
+        """The per-step inputs are views of one device buffer, so a step uploads them in one copy."""
+        # follow[b]: the row of the last launch that row b continues (-1: its inputs come from the host).
+        shapes = {**self._buffer_shapes(), "follow": ((self.max_bs,), 0)}
+        total = sum(int(np.prod(shape)) for shape, _ in shapes.values())
+        self._flat = torch.zeros(total, dtype=torch.long, device=self.device)
+        # On a GPU the host side lives in pinned memory, written in place each step: a fresh pinned copy per
+        # step cost host time (with steps in flight, the host rewrites it once the last upload is done).
+        pinned = self.device.type == "cuda"
+        self._host_tensor = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
+        self._host = self._host_tensor.numpy()
+        self._host_views, self._batch_axis, offset = {}, {}, 0
+        for name, (shape, axis) in shapes.items():
+            size = int(np.prod(shape))
+            setattr(self, name, self._flat[offset:offset + size].view(shape))
+            self._host_views[name] = self._host[offset:offset + size].reshape(shape)
+            self._batch_axis[name] = axis
+            offset += size
+        # Until a step writes them, slot inputs name the padding slot: warm-up and capture then write nowhere
+        # that a request could own.
+        for name, view in self._host_views.items():
+            if name.endswith("slots"):
+                view[...] = self.pad_slot
+        self._host_views["follow"][...] = -1
+        self._flat.copy_(self._host_tensor)
+        # What the last launch left for a step that follows it: each row's packed tokens and count, and its root.
+        self.last_packed = torch.zeros(self.max_bs, self.width + 1, dtype=torch.long, device=self.device)
+        self.last_root = torch.zeros(self.max_bs, dtype=torch.long, device=self.device)
+        self.tables = {n: torch.zeros(self.max_bs, -(-n // self.page_size), dtype=torch.int32, device=self.device)
+                       for n in self.context_lens}
+        self._host_tables = {n: torch.zeros(t.shape, dtype=torch.int32, pin_memory=pinned)
+                             for n, t in self.tables.items()}
+        self._uploaded = torch.cuda.Event() if pinned else None  # the last upload, done before a rewrite
+
+    def _describe_catch_up(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """What every program's rows begin with: each sequence's page table (`width` pages) and the head's
+        catch-up rows, padded to `self.width` per sequence (padding writes to the padding slot)."""
+        w = self.width
+        rows = {"catch_ids": np.zeros((bs, w), np.int64), "catch_pos": np.zeros((bs, w), np.int64),
+                "catch_slots": np.full((bs, w), self.pad_slot, np.int64),
+                "last_row": np.arange(bs, dtype=np.int64) * w}
+        tables = np.zeros((bs, width), np.int32)
+        for row, s in enumerate(seqs):
+            pages = np.asarray(s.page_ids[:width], dtype=np.int64)
+            tables[row, : len(pages)] = pages
+            ids, first = eagle3_catch_up(s)
+            pos = np.arange(first, first + len(ids))
+            rows["catch_ids"][row, : len(ids)], rows["catch_pos"][row, : len(ids)] = ids, pos
+            rows["catch_slots"][row, : len(ids)] = page_slots(pages, pos, self.page_size)
+            rows["last_row"][row] = row * w + max(len(ids) - 1, 0)
+        return rows, tables
+
+    def fits(self, batch: StepBatch) -> bool:
+        """Whether the program takes the batch: as it is, or once the head has caught up on a backlog longer
+        than the program's catch-up rows (`launch` does that first)."""
+        if self._rows_fit(batch, self.max_drafts):
+            return True
+        drafting = any(s.num_draft_tokens for s in batch.seqs)
+        return drafting and batch.follow is None and self._rows_fit(self.without_backlog(batch), self.max_drafts)
+
+    def _behind(self, batch: StepBatch) -> bool:
+        """Whether some head catch-up is longer than the program's rows."""
+        return any(len(eagle3_catch_up(s)[0]) > self.width for s in batch.seqs)
+
+    def _rows_fit(self, batch: StepBatch, max_drafts: int) -> bool:
+        """Decoding rows, greedy or sampled without a seed, at most `max_drafts` each, at least one row drafting
+        (else a plain step: the decode graphs take it), and every head catch-up within the program's rows."""
+        seqs = batch.seqs
+        if not seqs or len(seqs) > self.max_bs or not any(s.num_draft_tokens for s in seqs):
+            return False
+        for s in seqs:
+            if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= max_drafts):
+                return False
+            if not (s.params.greedy or s.params.seed is None):
+                return False
+            # Rows with no drafts this step (a request's last token, say) ride along: nothing of theirs is
+            # accepted but the target's own token, and their head catch-up waits for a step that drafts.
+            catch_up = len(eagle3_catch_up(s)[0])
+            if catch_up > self.width or (s.num_draft_tokens and not catch_up):
+                return False
+        return max(s.start_pos for s in seqs) + self.width <= self.context_lens[-1]
+
+    def without_backlog(self, batch: StepBatch) -> StepBatch:
+        """The batch with each head catch-up cut to its last `width` rows: what the program takes once the
+        head has caught up on the rest (`catch_up_backlog`)."""
+        w = self.width
+        seqs = [replace(s, draft_start_pos=s.draft_start_pos + len(s.draft_catchup_ids) - w,
+                        draft_catchup_ids=s.draft_catchup_ids[-w:]) if len(eagle3_catch_up(s)[0]) > w else s
+                for s in batch.seqs]
+        return StepBatch(seqs, batch.page_size)
+
+    @torch.inference_mode()
+    def catch_up_backlog(self, batch: StepBatch) -> None:
+        """After the draft plan held drafting back, the head is more tokens behind than the program's catch-up
+        rows. It catches up on all but the last `width` first, in one eager pass, so the step still runs as
+        the program (on `without_backlog(batch)`) instead of the general search."""
+        w = self.width
+        behind = [replace(s, draft_catchup_ids=s.draft_catchup_ids[:-w]) for s in batch.seqs
+                  if len(eagle3_catch_up(s)[0]) > w]
+        if not behind:
+            return
+        if self.device.type == "cuda" and max(len(eagle3_catch_up(s)[0]) for s in behind) <= DECODE_ROWS_BACKLOG:
+            self._extend_head(behind)
+        else:
+            self.drafter.catch_up(behind, batch.page_size)
+
+    def _extend_head(self, seqs) -> torch.Tensor:
+        """The head over each sequence's catch-up, every row attending like a decode row (as the program's rows do
+        without SHARED_CONTEXT); returns its output rows (the drafting state after each), in order.
+        Prefill attention took 40-1,100 ms per call on the H200 for a few rows (new shapes each time: the
+        context grows every step), where this takes the decode kernel the graphs already built. Each row
+        reads its whole context, so it is kept to short backlogs."""
+        ids, positions, slots = [], [], []
+        pages = max(len(s.page_ids) for s in seqs)
+        tables = []
+        for s in seqs:
+            chunk, first = eagle3_catch_up(s)
+            table = np.zeros(pages, np.int64)
+            table[: len(s.page_ids)] = s.page_ids
+            pos = np.arange(first, first + len(chunk))
+            ids.extend(chunk)
+            positions.append(pos)
+            slots.append(page_slots(table, pos, self.page_size))
+            tables.extend([table] * len(chunk))
+        to_device = lambda a, dtype=torch.long: torch.from_numpy(np.asarray(a)).to(self.device, dtype)  # noqa: E731
+        positions, slots = to_device(np.concatenate(positions)), to_device(np.concatenate(slots))
+        meta = decode_rows_meta(positions, slots, to_device(np.stack(tables), torch.int32), self.page_size,
+                                self.head.config.model.num_kv_heads)
+        drafter = self.drafter
+        return self.head(self.target.embed_tokens(to_device(ids)), drafter.taps[slots], positions, meta,
+                         drafter.kv_cache)
+
+    # -- one step ----------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, timer) -> torch.Tensor:
+        """A batch that `fits`: catches the head up on any backlog first, then queues the step (the timer's
+        `catch_up` and `forward` phases)."""
+        if batch.follow is None and self._behind(batch):
+            with timer.phase("catch_up"):
+                self.catch_up_backlog(batch)
+            batch = self.without_backlog(batch)
+        with timer.phase("forward"):
+            return self._launch(batch)
+
+    def _launch(self, batch: StepBatch) -> torch.Tensor:
+        """Queues the step; returns its packed results [b, width + 1] (each row's tokens, then its accepted
+        draft count: `unpack`), a device tensor that the next launch of the same shape overwrites. Rows of a
+        batch with `follow` continue rows of the last launch (`_follow`)."""
+        seqs = batch.seqs
+        b = len(seqs)
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
+        n = self.context_lens[bisect.bisect_left(self.context_lens, max(s.start_pos for s in seqs) + self.width)]
+        rows, tables = self._describe(seqs, bs, self.tables[n].shape[1])
+        rows["follow"] = np.full(bs, -1, np.int64)
+        if batch.follow is not None:
+            rows["follow"][:b] = batch.follow
+        forced = None
+        if self.simulate_accept_len is not None:
+            # One draw per drafting sequence, in order, as the general path draws.
+            drawn = [min(draw_num_accepted(self.simulate_accept_len, self.rng), s.num_draft_tokens)
+                     if s.num_draft_tokens else 0 for s in seqs]
+            rows["forced"] = np.array(drawn + [0] * (bs - b), np.int64)
+            forced = self.forced[:bs]
+        self._upload(rows, tables, bs, n)
+        params = None
+        if not all(s.params.greedy for s in seqs):  # eager: filtering branches on the settings (`_forward`)
+            params = [s.params for s in seqs] + [GREEDY] * (bs - b)
+            packed = self._step(bs, n, forced, params)
+        elif (bs, n) in self.graphs:
+            self.graphs[(bs, n)].replay()
+            packed = self.outputs[(bs, n)]
+        else:
+            packed = self._step(bs, n, forced)
+        self.num_runs += 1
+        return packed[:b]
+
+    def _step(self, bs: int, n: int, forced: torch.Tensor | None, params: list[SamplingParams] | None = None
+              ) -> torch.Tensor:
+        """The whole program: inputs of following rows, the forwards, and what a following step reads. `params`
+        (one per row) where some row samples; None: every row is greedy."""
+        self._follow(bs, n)
+        return self._forward_packed(bs, n, self._metas(bs, n), forced, params)
+
+    def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
+                        params: list[SamplingParams] | None) -> torch.Tensor:
+        """The forwards and acceptance, packed (`_packed`), also kept with each row's root for a following step."""
+        packed = _packed(*self._forward(bs, n, metas, forced, params))
+        self.last_packed[:bs] = packed
+        self.last_root[:bs] = self._roots(bs)
+        return packed
+
+    def _follow(self, bs: int, n: int) -> None:
+        """Rows that continue a row of the last launch (overlapped drafting steps: the host launched this step
+        before reading that one back) take their inputs from its results, on the device. The head catches up on
+        that step's root and accepted drafts (position j pairs token j + 1 with the taps of j: the tokens are
+        that step's new ones); the new root is the one after them, and its token is that step's last.
+        Rows with follow = -1 keep the inputs the host wrote. On a GPU one kernel writes the same
+        (kernels/triton/follow.py)."""
+        if self.device.type == "cuda":
+            from specserve.kernels.triton import follow as triton_follow
+
+            if triton_follow.ENABLED:
+                triton_follow.follow_rows(self, bs, self.tables[n][:bs])
+                return
+        w, ps = self.width, self.page_size
+        src = self.follow[:bs].clamp(min=0)
+        on = self.follow[:bs, None] >= 0
+        last = self.last_packed[src]
+        accepted = last[:, -1:]
+        j = torch.arange(w, device=self.device)[None, :]
+        caught = j <= accepted
+        table = self.tables[n][:bs]
+        pos = torch.where(caught, self.last_root[src][:, None] + j, 0)
+        put_where(self.catch_ids[:bs], on, torch.where(caught, last[:, :w], 0))
+        put_where(self.catch_pos[:bs], on, pos)
+        put_where(self.catch_slots[:bs], on, torch.where(caught, table_slots(table, pos, ps), self.pad_slot))
+        put_where(self.last_row[:bs], on[:, 0], torch.arange(bs, device=self.device) * w + accepted[:, 0])
+        put_where(self.root_ids[:bs], on[:, 0], last[:, :w].gather(1, accepted)[:, 0])
+        self._follow_root(bs, on, self.last_root[src] + accepted[:, 0] + 1, table)
+
+    def _follow_root(self, bs: int, on: torch.Tensor, root: torch.Tensor, table: torch.Tensor) -> None:
+        """Writes the inputs that follow from each following row's root position [bs]."""
+        raise NotImplementedError
+
+    def _roots(self, bs: int) -> torch.Tensor:
+        """Each row's root position in this step, for a step that follows it."""
+        raise NotImplementedError
+
+    def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last step's upload; the step before that has been read back
+        # Only the first bs rows are written: a graph of batch bucket bs reads no others.
+        for name, view in self._host_views.items():
+            if name in rows:
+                (view[:, :bs] if self._batch_axis[name] == 1 else view[:bs])[...] = rows[name]
+        host_tables = self._host_tables[n][:bs]
+        host_tables.numpy()[...] = tables
+        pinned = self._uploaded is not None
+        self._flat.copy_(self._host_tensor, non_blocking=pinned)
+        self.tables[n][:bs].copy_(host_tables, non_blocking=pinned)
+        if pinned:
+            self._uploaded.record()
+
+    @torch.inference_mode()
+    def _capture(self, progress: bool, desc: str) -> None:
+        shapes = [(bs, n) for n in reversed(self.context_lens) for bs in reversed(self.batch_sizes)]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        forced = self.forced if self.simulate_accept_len is not None else None
+        # Compile every kernel outside capture, and let the GEMV choice time the weights at each row bucket a
+        # small batch gives them (extends take bs rows, catch-up and verification bs * width).
+        warm = {(1, n) for n in self.context_lens} | {(self.max_bs, self.context_lens[-1])}
+        warm |= {(bs, self.context_lens[0]) for bs in self.batch_sizes if bs <= 16}
+        with torch.cuda.stream(stream):
+            for bs, n in sorted(warm) * 2:
+                self._step(bs, n, None if forced is None else forced[:bs])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        pool = None
+        for bs, n in tqdm(shapes, desc=desc, disable=not progress, leave=False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[(bs, n)] = self._step(bs, n, None if forced is None else forced[:bs])
+            pool = graph.pool()
+            self.graphs[(bs, n)] = graph
+        torch.cuda.synchronize(self.device)
+
+
+def decode_rows_meta(positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, page_size: int,
+                     kv_heads: int, max_context: int | None = None) -> AttentionMetadata:
+    """Rows that each attend like a decode row: to positions [0, position] through their own page-table row,
+    writing their KV to `slots` (padded rows name the padding slot). On a GPU the Triton decode kernel's form;
+    elsewhere one single-token query per row, which the CPU's short-query kernel serves (the page-table form
+    would gather every row's context apart, which made a 64-request chain step several times slower)."""
+    if slots.is_cuda:
+        return AttentionMetadata.for_decode_kernel(slots, tables, (positions + 1).to(torch.int32), page_size, kv_heads,
+                                                   max_context or tables.shape[1] * page_size)
+    meta = AttentionMetadata.build([1] * len(positions), positions.tolist(), tables.tolist(), page_size, slots.device)
+    return replace(meta, slot_mapping=slots)
+
+
+def _packed(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """[B, width + 1]: each row's tokens, then its accepted draft count, so one copy reads both back."""
+    return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], dim=1)
+
+
+def unpack(packed: list[list[int]]) -> list[list[int]]:
+    """Each row's new tokens: its accepted drafts, then the target's own token."""
+    return [row[: row[-1] + 1] for row in packed]
+
+
+def put_where(buffer: torch.Tensor, on: torch.Tensor, value: torch.Tensor) -> None:
+    """buffer = value where `on`, in place (programs and their graphs read the buffer itself)."""
+    buffer.copy_(torch.where(on, value, buffer))
+
+
+def page_slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
+    return pages[positions // page_size] * page_size + positions % page_size
+
+
+def table_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """page_slots on the device: table [B, pages] int32, positions [B, R] -> slots [B, R]. Positions past the
+    table take its last page: only rows whose results are discarded (padding, rows that do not follow) reach
+    past it."""
+    page = (positions // page_size).clamp(max=table.shape[1] - 1)
+    return table.gather(1, page).long() * page_size + positions % page_size
