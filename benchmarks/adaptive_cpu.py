@@ -2,9 +2,13 @@
 in one process: the embedded SmolLM2 with its bundled head, waves of C MT-Bench first turns (greedy,
 `ignore_eos`, 64 tokens each).
 
-With `--temperature T --general-search`, requests sample (no seed) and a fourth engine drafts every step
-through the general search instead of the chain program: the program's sampled acceptance against the
-search's, same run.
+Docs figures it reproduces: the adaptive plan on the 2-core CPU (output tok/s against no speculation at wave
+sizes 1-64, `adaptive_cpu_interleaved.json`); with `--temperature 0.7 --general-search --no-adaptive`, sampled
+speculation through the chain program against the general search (`sampled_spec_cpu.json`).
+
+With `--temperature T --general-search`, requests sample and a fourth engine drafts every step through the general
+search instead of the chain program: its requests carry a seed each, and seeded requests, which draw from their
+own generators, take the general search. The program's sampled acceptance against the search's, same run.
 
 The engines take turns within each wave size, and the order flips every round, so a slow spell of a
 shared machine lands on all of them alike (sequential runs of `specserve bench` on the 2-core CPU drifted by
@@ -16,26 +20,39 @@ server does. Writes JSON and a PNG to benchmarks/results.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+SEEDS = itertools.count()  # a fresh seed for every seeded request, so that rounds do not repeat each other's draws
 
 
 def build(spec):
     from specserve.config import EngineConfig
-    from specserve.llm import LLM
+    from specserve import LLM
 
     return LLM(config=EngineConfig(device="cpu", spec=spec), progress=False)
 
 
-def run_waves(llm, prompts, size: int, params) -> tuple[int, float, int, int]:
+def generate(llm, prompts, params, seeded: bool):
+    """`llm.generate`, or with `seeded`, each request with a seed of its own (which takes the general search)."""
+    if not seeded:
+        return llm.generate(prompts, params)
+    trackers = [llm.add(p, replace(params, seed=next(SEEDS))) for p in prompts]
+    while llm.engine.has_work():
+        llm.step_and_track(trackers)
+    return [t.output for t in trackers]
+
+
+def run_waves(llm, prompts, size: int, params, seeded: bool = False) -> tuple[int, float, int, int]:
     """Output tokens, seconds, speculative steps and accepted drafts over waves of `size` prompts."""
     tokens = steps = accepted = 0
     start = time.perf_counter()
     for i in range(0, len(prompts), size):
-        for out in llm.generate(prompts[i:i + size], params):
+        for out in generate(llm, prompts[i:i + size], params, seeded):
             tokens += len(out.token_ids)
             steps += out.num_spec_steps
             accepted += out.num_accepted_tokens
@@ -47,7 +64,7 @@ def main() -> None:
     from specserve.bench.datasets import mt_bench_first_turns
     from specserve.bench.decode import hardware_info
     from specserve.config import SpecConfig
-    from specserve.core import SamplingParams
+    from specserve import SamplingParams
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -61,22 +78,24 @@ def main() -> None:
                         help="leave out the engine that drafts every step (the slowest, for a shorter run)")
     parser.add_argument("--out", default=str(RESULTS / "adaptive_cpu_interleaved.json"))
     args = parser.parse_args()
+    if args.general_search and args.temperature == 0:
+        parser.error("--general-search needs --temperature above 0: greedy requests take the program, seeded or not")
 
     head = str(draft_heads.SMOLLM2_HEAD)
     steps = draft_heads.SMOLLM2_DEFAULT_STEPS
     engines = {"no speculation": build(SpecConfig())}
     if not args.no_every_step:
         engines[f"chain {steps}, every step"] = build(SpecConfig("EAGLE3", head, steps))
+    searched = f"chain {steps}, every step, general search"
     if args.general_search:
-        engines[f"chain {steps}, every step, general search"] = build(SpecConfig("EAGLE3", head, steps))
-        engines[f"chain {steps}, every step, general search"].engine.runner.spec_graphs = None
+        engines[searched] = build(SpecConfig("EAGLE3", head, steps))
     if not args.no_adaptive:
         engines[f"chain {steps}, adaptive"] = build(SpecConfig("EAGLE3", head, steps, adaptive=True))
     first = next(iter(engines.values()))
     prompts = [first.chat_prompt(p.messages) for p in mt_bench_first_turns()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
-    for llm in engines.values():  # warm-up: kernels built on first use, costs first measured
-        run_waves(llm, prompts[:2], 2, params)
+    for name, llm in engines.items():  # warm-up: kernels built on first use, costs first measured
+        run_waves(llm, prompts[:2], 2, params, name == searched)
     results = []
     for size in args.levels:
         batch = prompts[: max(8, min(64, 4 * size))]
@@ -84,7 +103,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
             for name in order:
-                figures = run_waves(engines[name], batch, size, params)
+                figures = run_waves(engines[name], batch, size, params, name == searched)
                 totals[name] = [a + b for a, b in zip(totals[name], figures)]
         base = totals["no speculation"][0] / totals["no speculation"][1]
         for name, (tokens, seconds, spec_steps, accepted) in totals.items():

@@ -1,7 +1,10 @@
 """`specserve bench decode` as a script, plus `--profile`: where one decode step's time goes, specserve vs HF.
 
+Docs figures it reproduces: plain decode of the embedded SmolLM2-135M on the CPU against Hugging Face
+`generate` (the same as `specserve bench decode --device cpu`); with --profile, where a step's time goes.
+
     python benchmarks/decode_cpu.py [bench decode flags]             # same as `specserve bench decode`
-    python benchmarks/decode_cpu.py --profile [--batch-sizes 1 8]    # torch.profiler + cProfile of decode steps
+    python benchmarks/decode_cpu.py --profile [--batch-sizes 1 8]    # phases, torch.profiler and cProfile of steps
 """
 from __future__ import annotations
 
@@ -15,12 +18,14 @@ import torch
 
 from specserve.cli import build_parser, engine_config
 from specserve.bench.decode import make_prompts
-from specserve.core import SamplingParams
+from specserve import SamplingParams
 
 PROFILE_STEPS = 32
 
 
 def profile_specserve(llm, prompts: list[list[int]], output_len: int) -> None:
+    from specserve.engine.phases import PhaseTimer
+
     engine = llm.engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -28,18 +33,11 @@ def profile_specserve(llm, prompts: list[list[int]], output_len: int) -> None:
     engine.step()  # prefill, not profiled
     for _ in range(4):  # warm decode steps
         engine.step()
-    # Split the step by hand first: host-side scheduling vs runner (tensor building + model + sampling).
-    t_sched = t_exec = 0.0
+    timer = PhaseTimer(torch.device("cpu"))
+    engine.time_phases(timer)  # each step split into its phases (engine/phases.py)
     for _ in range(PROFILE_STEPS):
-        t0 = time.perf_counter()
-        batch = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        sampled = engine.runner.execute(batch)
-        t2 = time.perf_counter()
-        engine._postprocess(batch, sampled)
-        t_sched += t1 - t0
-        t_exec += t2 - t1
-    print(f"specserve per step: schedule {t_sched / PROFILE_STEPS * 1e3:.2f} ms, runner.execute {t_exec / PROFILE_STEPS * 1e3:.2f} ms")
+        engine.step()
+    print("specserve per step: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in timer.per_step_ms().items()))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(PROFILE_STEPS):
             engine.step()
@@ -86,13 +84,12 @@ def main(argv: list[str]) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from specserve.engine.factory import resolve_model
-    from specserve.llm import LLM
+    from specserve import LLM
 
     cfg = engine_config(args)
     cfg = replace(cfg, device="cpu") if cfg.device == "auto" else cfg
     llm = LLM(config=cfg)
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(cfg).weights_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_info.weights_dir), dtype=torch.float32).eval()
     print(f"torch threads {torch.get_num_threads()}")
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, llm.model_info.model_cfg.vocab_size, cfg.random_seed + batch)

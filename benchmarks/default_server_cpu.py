@@ -1,6 +1,9 @@
 """The default server (`specserve serve`, which drafts with the bundled EAGLE-3 head) against the same server
 with speculation off, one request at a time, greedy, on MT-Bench first turns.
 
+Docs figure it reproduces: the default server against speculation off through the server at batch 1 on the
+2-core CPU (decode tok/s and their ratio, `default_server_cpu.json` and `.png`).
+
 Both servers run side by side and take turns, prompt by prompt (the order flips every prompt), so a slow
 spell of a shared machine lands on both alike; two runs measured back to back minutes apart differed by up
 to 25 % on the same side. Writes JSON and a PNG of per-prompt decode speeds to benchmarks/results.
@@ -23,8 +26,7 @@ from pathlib import Path
 import httpx
 
 from specserve.bench.datasets import mt_bench_first_turns
-from specserve.bench.serving import LoadSettings, make_client, probe
-from specserve.bench.serving import _one as one_request
+from specserve.bench.serving import LoadSettings, make_client, probe, run_closed_loop
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -40,6 +42,11 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
     return f"{os.cpu_count()} logical cores"
+
+
+async def one_request(client, prompt, settings: LoadSettings):
+    """One streamed request through the OpenAI client, timed chunk by chunk."""
+    return (await run_closed_loop(client, [prompt], 1, settings))[0]
 
 
 def decode_tok_s(result) -> float:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CPU serving sweep of the embedded SmolLM2-135M: no speculation vs a random EAGLE-3 head (chain of 3) whose
 # acceptance is simulated at tau = 3. Writes benchmarks/results/serving_cpu_*.jsonl/png and a comparison.
+# Docs figure it reproduces: the CPU serving sweep through the OpenAI client (serving_cpu_compare.md and .png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=benchmarks/results

@@ -15,6 +15,9 @@ For each setup against no speculation: the share of sequences that match entirel
 before each sequence's first mismatch. For scale, the same comparison for no speculation with the requests run
 one at a time (batch shapes alone change the rounding too). Writes JSON.
 
+Docs figure it reproduces: bf16 greedy agreement with and without speculation (SmolLM2 with its head on the
+H200, and the 8B shape with random weights: `gpu_h200.sh agreement`).
+
     python benchmarks/spec_agreement.py --device cuda --dtype bfloat16 --out benchmarks/results/spec_agreement_bf16_h200.json
 """
 from __future__ import annotations
@@ -53,23 +56,20 @@ def generate(engine, prompts: list[list[int]], params) -> tuple[list[list[int]],
     return [outputs[str(i)] for i in range(len(prompts))], (1 + accepted / steps if steps else None)
 
 
-def prompts_for(args, model_info) -> list[list[int]]:
+def prompts_for(args, llm) -> list[list[int]]:
     if args.load_format == "dummy":  # random weights: any tokens will do
         rng = random.Random(0)
         return [[rng.randrange(1000, 30000) for _ in range(rng.randrange(64, 512))] for _ in range(args.prompts)]
     from specserve.bench.datasets import mt_bench_first_turns
-    from specserve.llm import chat_prompt_ids, load_tokenizer
 
-    tokenizer = load_tokenizer(model_info.tokenizer_dir)
-    return [chat_prompt_ids(tokenizer, p.messages) for p in mt_bench_first_turns()[: args.prompts]]
+    return [llm.chat_prompt(p.messages) for p in mt_bench_first_turns()[: args.prompts]]
 
 
 def main() -> None:
-    from specserve import draft_heads
+    from specserve import SamplingParams, draft_heads
     from specserve.bench.decode import hardware_info
     from specserve.config import EngineConfig, SpecConfig
-    from specserve.engine.factory import build_engine_core
-    from specserve.core import SamplingParams
+    from specserve import LLM
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path", default=None,
@@ -93,12 +93,13 @@ def main() -> None:
     for name, spec in setups.items():
         config = EngineConfig(model_path=args.model_path, load_format=args.load_format, device=args.device,
                               dtype=args.dtype, spec=spec)
-        engine, model_info = build_engine_core(config, progress=False)
-        prompts = prompts or prompts_for(args, model_info)
-        outputs[name], acceptance[name] = generate(engine, prompts, params)
+        llm = LLM(config=config, progress=False)
+        prompts = prompts or prompts_for(args, llm)
+        outputs[name], acceptance[name] = generate(llm.engine, prompts, params)
         if not spec.algorithm:
-            outputs[ALONE] = [generate(engine, [p], params)[0][0] for p in prompts]
-        del engine
+            outputs[ALONE] = [generate(llm.engine, [p], params)[0][0] for p in prompts]
+        del llm
+        gc.unfreeze()  # the engine's startup objects were kept out of the collector's view
         gc.collect()  # the next engine sizes its KV pool from the memory left
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

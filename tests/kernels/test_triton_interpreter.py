@@ -11,11 +11,11 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-# What every interpreter script starts with: torch, and the checks of tests/ and benchmarks/ importable.
+# What every interpreter script starts with: torch, and the checks of tests/ importable.
 _PRELUDE = """
 import sys
 import torch
-sys.path[:0] = ["benchmarks", "tests"]
+sys.path[:0] = ["tests"]
 """
 
 
@@ -79,7 +79,7 @@ def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
 
 
 _FP8_GEMV_IN_INTERPRETER = """
-from gemv_interpreter_check import ATOL, RTOL, fp8_forms, interpreter_range
+from gemv_checks import ATOL, RTOL, fp8_forms, interpreter_range
 from specserve.kernels.triton import gemv as triton_gemv
 triton_gemv.range = interpreter_range
 torch.manual_seed(0)
@@ -104,7 +104,7 @@ def test_gemv_with_fp8_weights_in_the_interpreter_matches_the_dequantized_math()
 
 
 _SPLIT_GEMV_IN_INTERPRETER = """
-from gemv_interpreter_check import SPLIT_TILES, check, interpreter_range
+from gemv_checks import SPLIT_TILES, check, interpreter_range
 from specserve.kernels.triton import gemv as triton_gemv
 triton_gemv.range = interpreter_range
 torch.manual_seed(0)
@@ -124,7 +124,7 @@ def test_gemv_split_over_k_in_the_interpreter_matches_the_unsplit_math():
 
 _TAILS_IN_INTERPRETER = """
 from conftest import check_tail_attention
-from gemv_interpreter_check import interpreter_range
+from gemv_checks import interpreter_range
 from specserve.kernels.triton import attention as triton_attention
 triton_attention.range = interpreter_range
 for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
@@ -143,7 +143,7 @@ def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
 
 _CLOSED_TAILS_IN_INTERPRETER = """
 from conftest import check_closed_tail_attention
-from gemv_interpreter_check import interpreter_range
+from gemv_checks import interpreter_range
 from specserve.kernels.triton import attention as triton_attention
 triton_attention.range = interpreter_range
 for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
@@ -161,7 +161,7 @@ def test_verified_trees_tails_as_one_block_in_the_interpreter():
 _TREE_SEARCH_IN_INTERPRETER = """
 from conftest import (check_tree_accept, check_tree_expand, check_tree_move, check_tree_root_children,
                       check_tree_select, check_tree_step_rows)
-from gemv_interpreter_check import interpreter_range
+from gemv_checks import interpreter_range
 from specserve.kernels.triton import follow as triton_follow, tree as triton_tree
 triton_tree.range = triton_follow.range = interpreter_range
 check_tree_select("cpu")
@@ -184,7 +184,7 @@ def test_fused_tree_search_kernels_in_the_interpreter_match_the_pytorch_forms():
 _FUSED_TREE_PROGRAM_IN_INTERPRETER = """
 from dataclasses import replace
 from conftest import count_accepted, write_peaked_random_head
-from gemv_interpreter_check import interpreter_range
+from gemv_checks import interpreter_range
 from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
 from specserve.config import SpecConfig
 from specserve.engine import factory
@@ -255,7 +255,7 @@ def test_chain_acceptance_kernel_in_the_interpreter_packs_like_accept_chain():
 
 _CHAIN_ROWS_IN_INTERPRETER = """
 from conftest import check_chain_rows
-from gemv_interpreter_check import interpreter_range
+from gemv_checks import interpreter_range
 from specserve.kernels.triton import follow as triton_follow
 triton_follow.range = interpreter_range
 check_chain_rows("cpu")

@@ -1,23 +1,11 @@
-"""The Triton GEMV (layers/triton_gemv.py) run by Triton's interpreter on a CPU, against fp32 math: every form
-(plain, residual add, norm folded with its weight in the kernel or moved into the weight, gate/up plain and with
-either norm form; and with an fp8 weight and its scales), at 1, 3 and 16 rows, rows-left and swapped tiles (with
-TMA loads and without; whole and split over K), shapes that divide the tiles and shapes that do not, widths
-within one step of the main loop and over several. For checking kernel changes on a machine without a GPU; the
-GPU tests (tests/test_gpu.py) are the real check. Needs `pip install triton` (its CPU wheel runs the
-interpreter). fp16: the interpreter's bf16 dot is wrong.
-
-    python benchmarks/gemv_interpreter_check.py --out benchmarks/results/gemv_interpreter_check_cpu.json
-"""
+"""The Triton GEMV's forms against fp32 math, for the tests that run it in Triton's interpreter on a CPU
+(tests/kernels/test_triton_interpreter.py): every form (plain, residual add, a norm folded with its weight in the
+kernel or moved into the weight, gate/up plain and with either norm form; and with an fp8 weight and its scales).
+fp16 throughout: the interpreter's bf16 dot is wrong. Importing this needs Triton; the interpreter must be on
+(TRITON_INTERPRET=1) before the kernels are defined."""
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
-
-import argparse
 import builtins
-import json
-import sys
 
 import torch
 
@@ -102,28 +90,3 @@ def check(rows: int, tiles: list, shapes, calls: int = 1) -> list[dict]:
                                     "ok": bool((error <= ATOL + RTOL * reference.abs()).all())})
                     print(results[-1], flush=True)
     return results
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    triton_gemv.range = interpreter_range
-    triton_gemv.TMA_ON = True  # whatever SPECSERVE_GEMV_TMA says: checked here all the same
-    torch.manual_seed(0)
-    results = []
-    for rows in (1, 3, 16):
-        tiles = triton_gemv.ONE_ROW_TILES[:2] if rows == 1 else [
-            triton_gemv.ROWS_TILES[0], triton_gemv.ROWS_TILES[5], triton_gemv.SWAP_TILES[0], triton_gemv.SWAP_TILES[3],
-            *triton_gemv.TMA_TILES, *SPLIT_TILES]
-        results += check(rows, tiles, ((96, 64), (128, 512), (100, 600)))
-    report = {"check": "gemv_interpreter", "dtype": "float16", "atol": ATOL, "rtol": RTOL,
-              "all_ok": all(r["ok"] for r in results), "results": results}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print("all ok" if report["all_ok"] else "FAILED", flush=True)
-    sys.exit(0 if report["all_ok"] else 1)
-
-
-if __name__ == "__main__":
-    main()
