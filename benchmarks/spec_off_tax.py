@@ -24,7 +24,6 @@ import json
 import os
 import pstats
 import time
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import replace
 
