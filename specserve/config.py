@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -23,7 +21,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a decoder-only transformer, as the model code needs it."""
+    """The architecture of a decoder-only transformer, as the model code needs it. Which architectures are
+    supported, and what sets each apart, is models/registry.py's and the model files' to say."""
 
     architecture: str
     vocab_size: int
@@ -38,9 +37,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2 family, or Llama with attention_bias
-    o_bias: bool = False  # Llama with attention_bias only
-    qk_norm: bool = False  # Qwen3 family
+    attention_bias: bool = False  # as the HF config says; which projections it covers is the model's
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -48,8 +45,6 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -68,10 +63,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 always carries q/k/v biases; Llama only when attention_bias is set.
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            o_bias=bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -135,9 +127,9 @@ class SpecConfig:
     num_steps: int = 3  # levels of the draft tree (chain depth when topk = 1)
     eagle_topk: int = 1  # children expanded per node; 1 drafts a chain
     num_draft_tokens: int | None = None  # None: num_steps * topk + 1
-    # Speed studies only: accept a drawn number of drafts with mean acceptance length tau (spec/simulate.py).
+    # Speed studies only: accept a drawn number of drafts with mean acceptance length tau (speculative/simulate.py).
     simulate_accept_len: float | None = None
-    # Draft only in steps, and for requests, where it pays by measured cost and acceptance (spec/plan.py);
+    # Draft only in steps, and for requests, where it pays by measured cost and acceptance (speculative/plan.py);
     # off, every decode step drafts whenever no prompt is pending.
     adaptive: bool = False
     # "fp8": the EAGLE-3 head's projections in fp8 (weight-only, a scale per output feature), as SGLang's

@@ -19,7 +19,7 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
-from specserve.models.llama import MLP, STACKED_PARAMS, Attention
+from specserve.models.llama import MLP, STACKED_PARAMS, Attention, LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Eagle3MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, in_features=2 * cfg.hidden_size)
+        self.self_attn = Attention(cfg, LlamaForCausalLM.attention_form(cfg), in_features=2 * cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

@@ -1,8 +1,11 @@
-"""Llama-family decoder: Llama 2/3/3.1, SmolLM2, TinyLlama, Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""Llama decoder (Llama 2/3/3.1, SmolLM2, TinyLlama), and the layers Llama-like architectures share: Qwen2
+and Qwen3 differ from it only in their `AttentionForm` (qwen2.py, qwen3.py).
 
 Only the math lives here. Attention metadata and the KV pool come in as arguments.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,10 +15,10 @@ from specserve.layers.attention import AttentionMetadata, attend
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding
+from specserve.models.base import CausalLM, StackedParams
 
 
-# Checkpoint names that load into one fused parameter: (fused name, shard index).
-STACKED_PARAMS = {
+STACKED_PARAMS: StackedParams = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -24,18 +27,27 @@ STACKED_PARAMS = {
 }
 
 
+@dataclass(frozen=True)
+class AttentionForm:
+    """What sets a Llama-like architecture's attention apart; the rest of its decoder layer is Llama's."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head's q and k, before rotary
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, form: AttentionForm, in_features: int | None = None) -> None:
         """`in_features` defaults to the hidden size; an EAGLE-3 head reads [embedding; hidden] (2H)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(in_features or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(in_features or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=form.qkv_bias)
         self.qkv_proj.takes_norm = in_features is None  # a decoder layer's input norm; the head's input is normed
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=form.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if form.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if form.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -75,9 +87,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, form: AttentionForm) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, form)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -103,7 +115,7 @@ class DecoderLayer(nn.Module):
     def move_norm_weights_into_projections(self) -> None:
         """RMSNorm(x) W^T = (x / rms(x)) (W diag(g))^T: each norm's weight g goes into the projection after it
         (rounded once, to the weight's dtype), and the norm keeps ones. Where a GEMV folds the norm in, it then
-        only scales its output rows (layers/triton_gemv.py). Projections with a bias never take the GEMV, so
+        only scales its output rows (kernels/triton/gemv.py). Projections with a bias never take the GEMV, so
         theirs stay."""
         for norm, proj in ((self.input_layernorm, self.self_attn.qkv_proj),
                            (self.post_attention_layernorm, self.mlp.gate_up_proj)):
@@ -113,19 +125,25 @@ class DecoderLayer(nn.Module):
                 proj.norm_in_weight = True
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, CausalLM):
     stacked_params = STACKED_PARAMS
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        form = self.attention_form(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, form) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def attention_form(cfg: ModelConfig) -> AttentionForm:
+        """Llama's `attention_bias` puts biases on q, k, v and o alike."""
+        return AttentionForm(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
 
     def forward(
         self,

@@ -12,11 +12,13 @@ from tqdm import tqdm
 
 from specserve.config import ModelConfig
 from specserve.layers.linear import Linear, can_prepack, norms_go_in_weights, prepack_linears
-from specserve.models.registry import model_class
+from specserve.models.base import CausalLM, NormFoldable
+from specserve.models.registry import model_class, model_config
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
-    return ModelConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    """The config of the checkpoint in `model_dir`; ValueError if its architecture is not supported."""
+    return model_config(json.loads((model_dir / "config.json").read_text()))
 
 
 def build_model(
@@ -27,8 +29,9 @@ def build_model(
     max_positions: int,
     seed: int = 0,
     progress: bool = True,
-) -> torch.nn.Module:
-    """Weights come from `model_dir`, or are random when `model_dir` is None (load format `dummy`)."""
+) -> CausalLM:
+    """Weights come from `model_dir`, or are random when `model_dir` is None (load format `dummy`). An
+    unsupported architecture fails here, before any weights are read."""
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, max_positions)
     model.to(dtype=dtype)
@@ -46,9 +49,9 @@ def build_model(
 
 
 def _move_norm_weights(model: torch.nn.Module) -> None:
-    """Each decoder layer's norm weights into the projections after them (models/llama.py)."""
+    """Each decoder layer's norm weights into the projections after them (models/base.py `NormFoldable`)."""
     for module in model.modules():
-        if hasattr(module, "move_norm_weights_into_projections"):
+        if isinstance(module, NormFoldable):
             module.move_norm_weights_into_projections()
 
 
