@@ -30,7 +30,7 @@ modes=" ${*:-all} "
 want() { [[ $modes == *" $1 "* || $modes == " all " ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu_info.txt"
 if want tests; then
-  python3 -m pytest tests/test_gpu.py tests/test_triton_host.py -q -x -p no:cacheprovider 2>&1 | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests.log"
+  { python3 -m pytest -m gpu tests -q -x -p no:cacheprovider && python3 -m pytest tests/kernels/test_triton_interpreter.py -q -x -p no:cacheprovider; } 2>&1 | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests.log"
 fi
 if want decode; then
   common=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048

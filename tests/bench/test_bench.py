@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import free_port, live_server
+from server_process import free_port, live_server
 
 INPUT_LEN, MAX_TOKENS, PROMPTS, TAU = 24, 20, 8, 2.5
 
@@ -151,14 +151,14 @@ def test_simulated_acceptance_mean_is_tau_within_5_percent(tiny_checkpoint, tmp_
     from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
     from specserve.core import SamplingParams
 
-    from test_greedy_vs_hf import _tight_config
+    from engine_runs import tight_config
 
     target = tiny_checkpoint("llama", True)
     save_eagle3_head(load_eagle3_head(None, read_model_config(target), torch.float32, torch.device("cpu"), 512),
                      tmp_path)
     for tau in (1.7, 3.2):
         spec = SpecConfig("EAGLE3", str(tmp_path), 4, simulate_accept_len=tau)
-        engine, _ = build_engine_core(replace(_tight_config(str(target), 4096), spec=spec), progress=False)
+        engine, _ = build_engine_core(replace(tight_config(str(target), 4096), spec=spec), progress=False)
         rng = random.Random(0)
         for i in range(6):
             engine.add_request(str(i), [rng.randrange(3, 512) for _ in range(10)],

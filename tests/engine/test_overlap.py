@@ -7,7 +7,7 @@ failures and pages must be exactly what they are without it.
 from __future__ import annotations
 
 import pytest
-from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+from engine_runs import hf_greedy, make_prompts, run_staggered, tight_config
 
 from specserve.engine.factory import build_engine_core
 from specserve.llm import LLM
@@ -30,10 +30,10 @@ def _pages_all_free(engine) -> bool:
 
 def test_greedy_with_overlap_matches_transformers_under_preemption(tiny_checkpoint):
     path = tiny_checkpoint("llama", False)
-    prompts = _prompts(512)
-    engine = _engine(_tight_config(str(path), max_total_tokens=200), overlap=True)
+    prompts = make_prompts(512)
+    engine = _engine(tight_config(str(path), max_total_tokens=200), overlap=True)
     ours, _ = run_staggered(engine, prompts)
-    assert ours == _hf_greedy(path, prompts)
+    assert ours == hf_greedy(path, prompts)
     assert engine.scheduler.num_preemptions > 0
     assert _pages_all_free(engine) and engine.in_flight is None
 
@@ -173,21 +173,21 @@ def test_steps_that_draft_read_back_first_and_the_rest_overlap(tiny_checkpoint, 
     import random
     from dataclasses import replace
 
-    from conftest import write_peaked_random_head
+    from tiny_checkpoints import write_peaked_random_head
 
     from specserve.config import SpecConfig
 
     path = tiny_checkpoint("llama", True)
     draft = write_peaked_random_head(path, tmp_path) if algorithm == "EAGLE3" else path
-    config = replace(_tight_config(str(path), max_total_tokens=200), spec=SpecConfig(algorithm, str(draft), 3))
+    config = replace(tight_config(str(path), max_total_tokens=200), spec=SpecConfig(algorithm, str(draft), 3))
     engine = _engine(config, overlap=True)
     rng = random.Random(0)
     engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 3])
     overlapped, launch = [], engine.runner.launch
     engine.runner.launch = lambda batch, publish=False: overlapped.append(publish) or launch(batch, publish)
-    prompts = _prompts(512)  # seed 3's prompts hit an fp32 near-tie with HF on any path, overlap or not
+    prompts = make_prompts(512)  # seed 3's prompts hit an fp32 near-tie with HF on any path, overlap or not
     outputs, _ = run_staggered(engine, prompts)
-    assert outputs == _hf_greedy(path, prompts)
+    assert outputs == hf_greedy(path, prompts)
     assert sum(overlapped) > 3 and len(overlapped) - sum(overlapped) > 10  # both kinds of step happened
     assert engine.scheduler.num_preemptions > 0
     assert _pages_all_free(engine) and engine.in_flight is None

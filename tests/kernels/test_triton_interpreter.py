@@ -11,7 +11,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-# What every interpreter script starts with: torch, and the checks of tests/ importable.
+# What every interpreter script starts with: torch, and the helpers of tests/ importable.
 _PRELUDE = """
 import sys
 import torch
@@ -123,7 +123,7 @@ def test_gemv_split_over_k_in_the_interpreter_matches_the_unsplit_math():
 
 
 _TAILS_IN_INTERPRETER = """
-from conftest import check_tail_attention
+from kernel_checks import check_tail_attention
 from gemv_checks import interpreter_range
 from specserve.kernels.triton import attention as triton_attention
 triton_attention.range = interpreter_range
@@ -142,7 +142,7 @@ def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
 
 
 _CLOSED_TAILS_IN_INTERPRETER = """
-from conftest import check_closed_tail_attention
+from kernel_checks import check_closed_tail_attention
 from gemv_checks import interpreter_range
 from specserve.kernels.triton import attention as triton_attention
 triton_attention.range = interpreter_range
@@ -159,8 +159,8 @@ def test_verified_trees_tails_as_one_block_in_the_interpreter():
 
 
 _TREE_SEARCH_IN_INTERPRETER = """
-from conftest import (check_tree_accept, check_tree_expand, check_tree_move, check_tree_root_children,
-                      check_tree_select, check_tree_step_rows)
+from kernel_checks import (check_tree_accept, check_tree_expand, check_tree_move, check_tree_root_children,
+                           check_tree_select, check_tree_step_rows)
 from gemv_checks import interpreter_range
 from specserve.kernels.triton import follow as triton_follow, tree as triton_tree
 triton_tree.range = triton_follow.range = interpreter_range
@@ -183,9 +183,9 @@ def test_fused_tree_search_kernels_in_the_interpreter_match_the_pytorch_forms():
 
 _FUSED_TREE_PROGRAM_IN_INTERPRETER = """
 from dataclasses import replace
-from conftest import count_accepted, write_peaked_random_head
+from engine_runs import count_accepted, hf_greedy, make_prompts, run_staggered, tight_config
 from gemv_checks import interpreter_range
-from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+from tiny_checkpoints import write_peaked_random_head
 from specserve.config import SpecConfig
 from specserve.engine import factory
 from specserve.kernels.triton import follow as triton_follow, tree as triton_tree
@@ -195,13 +195,13 @@ factory.TREE_PROGRAM_ON_CPU = True
 from pathlib import Path
 path, head = Path({path!r}), Path({head!r})
 write_peaked_random_head(path, head)
-prompts = _prompts(512, seed=4)
-expected = _hf_greedy(path, prompts)
+prompts = make_prompts(512, seed=4)
+expected = hf_greedy(path, prompts)
 for tree in (dict(num_steps=4, eagle_topk=3, num_draft_tokens=9), dict(num_steps=1, eagle_topk=3, num_draft_tokens=4)):
     runs = []
     for fused in (True, False):
         spec = SpecConfig("EAGLE3", str(head), **tree)
-        engine, _ = build_engine_core(replace(_tight_config(str(path), 200), spec=spec), progress=False)
+        engine, _ = build_engine_core(replace(tight_config(str(path), 200), spec=spec), progress=False)
         program = engine.runner.spec_graphs
         if fused:
             program.fused = True
@@ -224,7 +224,7 @@ def test_tree_program_with_the_fused_search_in_the_interpreter_is_lossless(tiny_
 
 
 _ARGMAX_IN_INTERPRETER = """
-from conftest import check_argmax
+from kernel_checks import check_argmax
 for dtype in (torch.float32, torch.float16):
     check_argmax("cpu", dtype)
 """
@@ -237,7 +237,7 @@ def test_argmax_kernels_in_the_interpreter_pick_like_torch():
 
 
 _NORM_PAIR_IN_INTERPRETER = """
-from conftest import check_rms_norm_pair
+from kernel_checks import check_rms_norm_pair
 check_rms_norm_pair("cpu", torch.float32, 1e-5)
 check_rms_norm_pair("cpu", torch.float16, 1e-2)
 """
@@ -250,11 +250,11 @@ def test_rms_norm_pair_in_the_interpreter_matches_the_eager_norms():
 
 def test_chain_acceptance_kernel_in_the_interpreter_packs_like_accept_chain():
     # The greedy chain step's acceptance, packing and copies for a following step, in one kernel.
-    _run_in_interpreter("from conftest import check_accept_and_pack\ncheck_accept_and_pack('cpu')\n", timeout=300)
+    _run_in_interpreter("from kernel_checks import check_accept_and_pack\ncheck_accept_and_pack('cpu')\n", timeout=300)
 
 
 _CHAIN_ROWS_IN_INTERPRETER = """
-from conftest import check_chain_rows
+from kernel_checks import check_chain_rows
 from gemv_checks import interpreter_range
 from specserve.kernels.triton import follow as triton_follow
 triton_follow.range = interpreter_range

@@ -64,20 +64,20 @@ def test_no_model_means_the_embedded_smollm2(smollm2_dir):
 def test_norm_weights_moved_into_the_projections_keep_greedy_output(tiny_checkpoint, monkeypatch, kind):
     # On a GPU in bf16 (SPECSERVE_NORM_IN_WEIGHTS=1) the loader multiplies each decoder layer's norm weights
     # into the projections after them; the same move here, in fp32, must leave the output HF's.
-    from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+    from engine_runs import hf_greedy, make_prompts, run_staggered, tight_config
 
     from specserve.models import loader
 
     path = tiny_checkpoint(kind)
     monkeypatch.setattr(loader, "norms_go_in_weights", lambda device, dtype: True)
-    engine, _ = build_engine_core(_tight_config(str(path), 4096), progress=False)
+    engine, _ = build_engine_core(tight_config(str(path), 4096), progress=False)
     layer = engine.runner.model.layers[0]
     qkv = layer.self_attn.qkv_proj
     assert layer.mlp.gate_up_proj.norm_in_weight and qkv.norm_in_weight == (qkv.bias is None)
     assert torch.equal(layer.post_attention_layernorm.weight, torch.ones_like(layer.post_attention_layernorm.weight))
-    prompts = _prompts(engine.runner.model.config.vocab_size)
+    prompts = make_prompts(engine.runner.model.config.vocab_size)
     outputs, _ = run_staggered(engine, prompts)
-    assert outputs == _hf_greedy(path, prompts)
+    assert outputs == hf_greedy(path, prompts)
 
 
 def test_norm_weights_move_only_for_bf16_on_a_gpu_and_only_when_asked(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 from specserve.sampling.sampler import filtered_probs, sample
 from specserve.core import SamplingParams
 
-from test_spec_verify import _chi2_999
+from distribution_checks import chi2_999
 
 
 def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -59,7 +59,7 @@ def test_draws_follow_the_target_distribution(params):
     assert observed[~support].sum() == 0, "drew a token the filters removed"
     chi2 = (((observed - expected)[support]) ** 2 / expected[support]).sum().item()
     dof = int(support.sum()) - 1
-    assert chi2 < _chi2_999(dof), f"chi2={chi2:.1f} with {dof} dof"
+    assert chi2 < chi2_999(dof), f"chi2={chi2:.1f} with {dof} dof"
 
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():

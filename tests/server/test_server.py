@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port
+from server_process import free_port
 
 API_KEY = "test-key"
 MODEL = "tiny"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import live_server
+from server_process import live_server
 from test_server import _metric
 
 

@@ -13,9 +13,10 @@ from specserve.engine.factory import build_engine_core
 from specserve.llm import LLM
 from specserve.core import SamplingParams
 
-from conftest import count_accepted, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
-from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
-from test_spec_verify import _chi2_999
+from distribution_checks import assert_drawn_from
+from engine_runs import (count_accepted, hf_greedy, make_prompts, run_mixed_sampling, run_staggered, tight_config,
+                         watch_drafting_paths)
+from tiny_checkpoints import write_peaked_random_head
 
 
 def test_accept_chain_takes_the_matching_prefix_then_the_targets_token():
@@ -39,15 +40,6 @@ def _chain_draws(probs: torch.Tensor, drafts: list[int], rows: int, limit: int |
     return [t[: a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())]
 
 
-def _assert_drawn_from(tokens: list[int], p: torch.Tensor) -> None:
-    counts = torch.bincount(torch.tensor(tokens), minlength=len(p)).double()
-    expected = p.double() * len(tokens)
-    assert counts[expected == 0].sum() == 0, "a token the target gives no mass was emitted"
-    cells = expected > 5
-    chi2 = ((counts - expected)[cells] ** 2 / expected[cells]).sum().item()
-    assert chi2 < _chi2_999(int(cells.sum()) - 1), f"chi2={chi2:.1f} over {len(tokens)} draws"
-
-
 def test_sampled_chain_acceptance_keeps_the_target_distribution():
     """The program's acceptance of a sampled row, on fixed target distributions p_0..p_3 after the root and each
     of 3 drafts: the first emitted token is drawn from p_0, and the token after the first i drafts (when the
@@ -64,12 +56,12 @@ def test_sampled_chain_acceptance_keeps_the_target_distribution():
     for depth in range(4):
         along = [e for e in emitted if e[:depth] == drafts[:depth]]
         assert all(len(e) > depth for e in along)
-        _assert_drawn_from([e[depth] for e in along], probs[depth])
+        assert_drawn_from([e[depth] for e in along], probs[depth])
     assert sum(len(e) == 4 for e in emitted) > 500
     limited = _chain_draws(probs, drafts, rows, limit=1)
     assert max(len(e) for e in limited) == 2
-    _assert_drawn_from([e[0] for e in limited], probs[0])
-    _assert_drawn_from([e[1] for e in limited if e[0] == drafts[0]], probs[1])
+    assert_drawn_from([e[0] for e in limited], probs[0])
+    assert_drawn_from([e[1] for e in limited if e[0] == drafts[0]], probs[1])
 
 
 def test_sampled_requests_without_a_seed_take_the_chain_program(tmp_path, tiny_checkpoint):
@@ -78,9 +70,9 @@ def test_sampled_requests_without_a_seed_take_the_chain_program(tmp_path, tiny_c
     from it, and every page comes back. Seeded requests keep the general path."""
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     general, _ = watch_drafting_paths(engine)
-    prompts = _prompts(512, seed=4)[:6]
+    prompts = make_prompts(512, seed=4)[:6]
     outputs = run_mixed_sampling(engine, prompts)
-    reference = _hf_greedy(path, prompts, max_tokens=24)
+    reference = hf_greedy(path, prompts, max_tokens=24)
     assert all(len(out) == 24 for out in outputs)
     assert [out == ref for out, ref in zip(outputs, reference)] == [True, True, False] * 2
     assert engine.runner.spec_graphs.num_runs > 5 and general and not any(general)
@@ -126,23 +118,23 @@ def test_chain_program_drafts_what_the_tree_search_drafts(smollm2_dir):
 def _random_head_engine(tmp_path, tiny_checkpoint, **spec):
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
-    config = replace(_tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), 3, **spec))
+    config = replace(tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), 3, **spec))
     engine, _ = build_engine_core(config, progress=False)
     return engine, path
 
 
 def test_chain_program_is_lossless_under_preemption(tmp_path, tiny_checkpoint):
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
-    prompts = _prompts(512, seed=4)
+    prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts)
     assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
-    assert outputs == _hf_greedy(path, prompts)
+    assert outputs == hf_greedy(path, prompts)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
 
 
 def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoint):
-    prompts = _prompts(512, seed=2)
+    prompts = make_prompts(512, seed=2)
     runs = []
     for chain in (True, False):
         engine, _ = _random_head_engine(tmp_path, tiny_checkpoint, simulate_accept_len=2.5)
@@ -168,11 +160,11 @@ def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     engine.overlap = overlap
     general, _ = watch_drafting_paths(engine)
-    prompts = _prompts(512, seed=4)
+    prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts)
     assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
     assert general and not any(general)
-    assert outputs == _hf_greedy(path, prompts)
+    assert outputs == hf_greedy(path, prompts)
 
 
 def _shut_six_open_six():
@@ -190,7 +182,7 @@ def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_pat
     """While the draft plan keeps steps from drafting, the head does not follow the decoders; the first step
     that drafts again finds it more tokens behind than the program's catch-up rows. The head catches up on
     the backlog first, so that step is still the program (never the general search), and output stays HF's."""
-    from test_tree_graphs import _tree_engine
+    from test_tree_program import _tree_engine
 
     if shape == "chain":
         engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
@@ -200,11 +192,11 @@ def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_pat
     engine.scheduler.draft_gate = _shut_six_open_six()
     general, backlogs = watch_drafting_paths(engine)
     program = engine.runner.spec_graphs
-    prompts = _prompts(512, seed=4)
+    prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts, max_tokens=40)
     assert program.num_runs > 10 and len(backlogs) > 2
     assert not any(general)
-    assert outputs == _hf_greedy(path, prompts, max_tokens=40)
+    assert outputs == hf_greedy(path, prompts, max_tokens=40)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
 
@@ -242,7 +234,7 @@ def test_the_backlog_pass_as_decode_rows_writes_what_a_prefill_chunk_writes(tmp_
     engine.scheduler.draft_gate = lambda requests: gate["open"]
     engine.scheduler._gate_open = False  # the head follows the prompt chunks, not the decoders
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(512, seed=4)[:3]):
+    for i, prompt in enumerate(make_prompts(512, seed=4)[:3]):
         engine.add_request(str(i), prompt, params)
     for _ in range(24):
         engine.step()
@@ -292,7 +284,7 @@ def test_overlapped_drafting_steps_follow_each_other_and_stay_lossless(tmp_path,
     on the device from that step's results. Staggered arrivals (which make the next step wait for the one in
     flight), preemption, and requests finishing while a step that includes them is in flight: the output is
     HF's, and every page comes back."""
-    from test_tree_graphs import _tree_engine
+    from test_tree_program import _tree_engine
 
     if shape == "chain":
         engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
@@ -300,10 +292,10 @@ def test_overlapped_drafting_steps_follow_each_other_and_stay_lossless(tmp_path,
         engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
     engine.overlap = True
     following = _count_following(engine)
-    prompts = _prompts(512, seed=4)
+    prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts, max_tokens=48)
     assert len(following) > 10 and max(following) > 1 and engine.scheduler.num_preemptions > 0
-    assert outputs == _hf_greedy(path, prompts, max_tokens=48)
+    assert outputs == hf_greedy(path, prompts, max_tokens=48)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages and not engine.has_work()
 
@@ -389,9 +381,9 @@ def test_a_following_step_that_fails_to_launch_falls_back_to_a_scheduled_step(tm
         assert len(asked) - before <= 1
         return deltas
     engine.step = one_question_a_step
-    prompts = _prompts(512, seed=4)
+    prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts, max_tokens=48)
     assert sum(1 for n in failed if n) > 3 and 0 in failed
-    assert outputs == _hf_greedy(path, prompts, max_tokens=48)
+    assert outputs == hf_greedy(path, prompts, max_tokens=48)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages

@@ -16,17 +16,17 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.layers.attention import AttentionMetadata
 
-from conftest import write_peaked_random_head
-from test_greedy_vs_hf import _prompts, _tight_config, run_staggered
+from engine_runs import make_prompts, run_staggered, tight_config
+from tiny_checkpoints import write_peaked_random_head
 
 TOPK = 4
 
 
 def _recorded_trees(target, spec: SpecConfig, seed: int = 0):
     """Runs staggered prompts with a random per-step draft plan; returns (context tokens, tree) per draft."""
-    engine, _ = build_engine_core(replace(_tight_config(str(target), 136), spec=spec), progress=False)
+    engine, _ = build_engine_core(replace(tight_config(str(target), 136), spec=spec), progress=False)
     proposer = engine.runner.proposer
-    # Chains would otherwise run as one program (tested against this path in test_chain_graphs.py).
+    # Chains would otherwise run as one program (tested against this path in test_chain_program.py).
     engine.runner.spec_graphs = None
     rng = random.Random(seed)
     engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 3, spec.max_drafts])
@@ -39,7 +39,7 @@ def _recorded_trees(target, spec: SpecConfig, seed: int = 0):
         return trees
 
     proposer.propose = recording
-    run_staggered(engine, _prompts(512, seed))
+    run_staggered(engine, make_prompts(512, seed))
     assert engine.scheduler.num_preemptions > 0 and len(records) > 30
     return engine, records
 

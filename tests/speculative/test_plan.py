@@ -15,7 +15,7 @@ from specserve.core import Request
 from specserve.core import SamplingParams
 from specserve.speculative.plan import AdaptivePlan, bucket
 
-from test_greedy_vs_hf import _prompts, _tight_config, run_staggered
+from engine_runs import make_prompts, run_staggered, tight_config
 
 
 def _requests(n: int) -> list[Request]:
@@ -188,10 +188,10 @@ def test_engine_output_is_unchanged_and_useless_drafts_stop(tiny_checkpoint, ran
     target = tiny_checkpoint("llama", True)
     spec = (SpecConfig("EAGLE3", str(random_eagle3_head), 3, adaptive=True) if draft == "random-eagle3"
             else SpecConfig("DRAFT_MODEL", str(target), 3, adaptive=True))
-    prompts = _prompts(512, seed=5)
-    plain, _ = build_engine_core(_tight_config(str(target), 4000), progress=False)
+    prompts = make_prompts(512, seed=5)
+    plain, _ = build_engine_core(tight_config(str(target), 4000), progress=False)
     expected, plain_steps = run_staggered(plain, prompts, max_tokens=120)
-    engine, _ = build_engine_core(replace(_tight_config(str(target), 4000), spec=spec), progress=False)
+    engine, _ = build_engine_core(replace(tight_config(str(target), 4000), spec=spec), progress=False)
     # Step times from a cost model, not this machine's clock: a drafting step costs 1.3 plain ones.
     observe = engine.observer.observe_step
     engine.observer.observe_step = lambda drafted, size, seconds: observe(drafted, size, 1.3 if drafted else 1.0)

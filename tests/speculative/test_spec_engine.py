@@ -12,8 +12,8 @@ from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core
 from specserve.speculative.search import search_depth
 
-from conftest import write_tiny_checkpoint
-from test_greedy_vs_hf import _engine_greedy, _hf_greedy, _prompts, _tight_config, run_staggered
+from engine_runs import engine_greedy, hf_greedy, make_prompts, run_staggered, tight_config
+from tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def drafts(tiny_checkpoint, random_eagle3_head, tmp_path_factory):
 def _spec_engine(target, draft, num_steps: int, max_total_tokens: int = 136, algorithm: str = "DRAFT_MODEL",
                  topk: int = 1, num_draft_tokens: int | None = None):
     spec = SpecConfig(algorithm, str(draft), num_steps, topk, num_draft_tokens)
-    engine, _ = build_engine_core(replace(_tight_config(str(target), max_total_tokens), spec=spec), progress=False)
+    engine, _ = build_engine_core(replace(tight_config(str(target), max_total_tokens), spec=spec), progress=False)
     return engine
 
 
@@ -74,8 +74,8 @@ def _count_speculation(engine, topk: int = 1, num_steps: int = 1) -> dict[str, i
 
 @pytest.fixture(scope="module")
 def greedy_reference(tiny_checkpoint):
-    prompts = _prompts(512)
-    return prompts, _hf_greedy(tiny_checkpoint("llama", True), prompts)
+    prompts = make_prompts(512)
+    return prompts, hf_greedy(tiny_checkpoint("llama", True), prompts)
 
 
 # (topk, num_steps, num_draft_tokens): chains of 1, 3 and 5 drafts, and trees of 2 to 16 verified tokens.
@@ -108,7 +108,7 @@ def test_a_copy_of_the_target_saves_steps(tiny_checkpoint, greedy_reference):
     target = tiny_checkpoint("llama", True)
     prompts, _ = greedy_reference
     _, spec_steps = run_staggered(_spec_engine(target, target, num_steps=3), prompts)
-    plain_engine, _ = build_engine_core(_tight_config(str(target), 200), progress=False)
+    plain_engine, _ = build_engine_core(tight_config(str(target), 200), progress=False)
     _, plain_steps = run_staggered(plain_engine, prompts)
     assert spec_steps < 0.7 * plain_steps, (spec_steps, plain_steps)
 
@@ -117,8 +117,8 @@ def test_a_copy_of_the_target_saves_steps(tiny_checkpoint, greedy_reference):
 def test_draft_length_can_change_every_step_and_per_request(tiny_checkpoint, drafts, draft_kind, topk, num_steps,
                                                             num_draft_tokens):
     target = tiny_checkpoint("llama", True)
-    prompts = _prompts(512, seed=3)
-    reference, _ = _engine_greedy(_tight_config(str(target), 200), prompts)
+    prompts = make_prompts(512, seed=3)
+    reference, _ = engine_greedy(tight_config(str(target), 200), prompts)
     algorithm, draft = drafts[draft_kind]
     engine = _spec_engine(target, draft, num_steps, algorithm=algorithm, topk=topk, num_draft_tokens=num_draft_tokens)
     rng = random.Random(0)
@@ -186,7 +186,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, topk,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from conftest import TINY_BASE, TINY_CONFIGS
+    from tiny_checkpoints import TINY_BASE, TINY_CONFIGS
     from specserve.core import SamplingParams
 
     vocab, trials, prompt = 16, 4000, [3, 7, 1, 12]
@@ -201,7 +201,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, topk,
     expected = p1[:, None] * p2 * trials
 
     spec = SpecConfig("DRAFT_MODEL", str(draft), num_steps, topk, num_draft_tokens)
-    config = replace(_tight_config(str(target), 4 * trials * 8), spec=spec)
+    config = replace(tight_config(str(target), 4 * trials * 8), spec=spec)
     config = replace(config, scheduler=replace(config.scheduler, max_running_requests=512, chunked_prefill_size=4096))
     engine, _ = build_engine_core(config, progress=False)
     torch.manual_seed(0)
@@ -274,16 +274,16 @@ class BranchingOracle:
 
 def test_tree_verification_with_kv_compaction_matches_the_reference(tiny_checkpoint):
     target = tiny_checkpoint("llama", True)
-    prompts = _prompts(512, seed=7)
-    reference = _hf_greedy(target, prompts)
-    engine, _ = build_engine_core(_tight_config(str(target), 136), progress=False)
+    prompts = make_prompts(512, seed=7)
+    reference = hf_greedy(target, prompts)
+    engine, _ = build_engine_core(tight_config(str(target), 136), progress=False)
     engine.runner.proposer = BranchingOracle({str(i): p + r for i, (p, r) in enumerate(zip(prompts, reference))}, 0)
     rng = random.Random(2)
     engine.scheduler.draft_plan = lambda request: rng.choice([0, 2, 5, 8])
     engine.scheduler.max_draft_tokens = 8
     ours, steps = run_staggered(engine, prompts)
     assert ours == reference
-    plain_engine, _ = build_engine_core(_tight_config(str(target), 136), progress=False)
+    plain_engine, _ = build_engine_core(tight_config(str(target), 136), progress=False)
     assert steps < run_staggered(plain_engine, prompts)[1]  # the accepted branches did save steps
     assert engine.scheduler.num_preemptions > 0
     alloc = engine.scheduler.allocator

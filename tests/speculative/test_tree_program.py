@@ -16,9 +16,10 @@ from specserve.layers.attention import AttentionMetadata, attend_rows
 from specserve.speculative.simulate import best_path
 from specserve.speculative.tree import DraftTree
 
-from conftest import count_accepted, run_mixed_sampling, watch_drafting_paths, write_peaked_random_head
-from test_chain_graphs import _assert_drawn_from
-from test_greedy_vs_hf import _hf_greedy, _prompts, _tight_config, run_staggered
+from distribution_checks import assert_drawn_from
+from engine_runs import (count_accepted, hf_greedy, make_prompts, run_mixed_sampling, run_staggered, tight_config,
+                         watch_drafting_paths)
+from tiny_checkpoints import write_peaked_random_head
 
 TREE = dict(num_steps=4, eagle_topk=3, num_draft_tokens=9)
 
@@ -27,7 +28,7 @@ def _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, **spec):
     monkeypatch.setattr(factory, "TREE_PROGRAM_ON_CPU", True)
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
-    config = replace(_tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), **{**TREE, **spec}))
+    config = replace(tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), **{**TREE, **spec}))
     engine, _ = build_engine_core(config, progress=False)
     assert isinstance(engine.runner.spec_graphs, TreeGraphs)
     return engine, path
@@ -36,7 +37,7 @@ def _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, **spec):
 def test_tree_program_is_lossless_and_accepts_what_the_search_accepts(tmp_path, tiny_checkpoint, monkeypatch):
     """Staggered arrivals with preemption: the program's output is HF's, and every step accepts as many
     drafts as the general search's tree does (so both built the same trees, up to what verification sees)."""
-    prompts = _prompts(512, seed=4)
+    prompts = make_prompts(512, seed=4)
     runs = []
     for program in (True, False):
         engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
@@ -49,7 +50,7 @@ def test_tree_program_is_lossless_and_accepts_what_the_search_accepts(tmp_path, 
         alloc = engine.scheduler.allocator
         assert alloc.num_free == alloc.num_pages
         runs.append((outputs, accepted))
-    assert runs[0][0] == _hf_greedy(path, prompts)
+    assert runs[0][0] == hf_greedy(path, prompts)
     assert runs[0] == runs[1]
 
 
@@ -138,13 +139,13 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution():
     for prefix, node in prefixes.items():
         along = [e for e in out if tuple(e[: len(prefix)]) == prefix]
         assert all(len(e) > len(prefix) for e in along)
-        _assert_drawn_from([e[len(prefix)] for e in along], probs[node])
+        assert_drawn_from([e[len(prefix)] for e in along], probs[node])
     _, capped = _hand_made_tree(rows, [2] * rows)
     out = emitted(capped)
     assert max(len(e) for e in out) == 3
     assert all(len(e) == 1 for e in out if e[0] == 11)  # node 2 (11) is out of the tree: a draw, not a draft
-    _assert_drawn_from([e[0] for e in out], probs[0])
-    _assert_drawn_from([e[1] for e in out if e[0] == 10], probs[1])
+    assert_drawn_from([e[0] for e in out], probs[0])
+    assert_drawn_from([e[1] for e in out if e[0] == 10], probs[1])
 
 
 def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_checkpoint, monkeypatch):
@@ -153,9 +154,9 @@ def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_ch
     page comes back."""
     engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
     general, _ = watch_drafting_paths(engine)
-    prompts = _prompts(512, seed=4)[:6]
+    prompts = make_prompts(512, seed=4)[:6]
     outputs = run_mixed_sampling(engine, prompts)
-    reference = _hf_greedy(path, prompts, max_tokens=24)
+    reference = hf_greedy(path, prompts, max_tokens=24)
     assert [out == ref for out, ref in zip(outputs, reference)] == [True, True, False] * 2
     assert engine.runner.spec_graphs.num_runs > 5 and general and not any(general)
     alloc = engine.scheduler.allocator
@@ -163,7 +164,7 @@ def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_ch
 
 
 def test_tree_program_simulates_acceptance_like_the_search(tmp_path, tiny_checkpoint, monkeypatch):
-    prompts = _prompts(512, seed=2)
+    prompts = make_prompts(512, seed=2)
     runs = []
     for program in (True, False):
         engine, _ = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, simulate_accept_len=2.5)

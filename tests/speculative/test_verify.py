@@ -1,14 +1,14 @@
 """Verification on hand-made tensors: greedy follows the argmax, sampling keeps the target distribution."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from specserve.core import SamplingParams
 from specserve.speculative.tree import DraftTree, best_first_tree
 from specserve.speculative.verify import verify
+
+from distribution_checks import chi2_999
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -54,11 +54,6 @@ def test_tree_masks_and_best_first_selection():
         DraftTree([1, 2], [-1, 1])
 
 
-def _chi2_999(dof: int) -> float:
-    z = 3.090  # Wilson-Hilferty approximation of the 0.999 quantile
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
 def test_speculative_sampling_keeps_the_target_distribution(params):
     """A bigram 'target' and a different bigram 'draft'. The draft proposes a top-2 tree of depth 2; the
@@ -95,7 +90,7 @@ def test_speculative_sampling_keeps_the_target_distribution(params):
     assert counts[~support].sum() == 0, "emitted a token the target's filters rule out"
     cells = support & (expected > 5)  # chi-square needs enough expected mass per cell
     chi2 = ((counts - expected)[cells] ** 2 / expected[cells]).sum().item()
-    assert chi2 < _chi2_999(int(cells.sum()) - 1), chi2
+    assert chi2 < chi2_999(int(cells.sum()) - 1), chi2
 
 
 def _filtered(table: torch.Tensor, params: SamplingParams) -> torch.Tensor:

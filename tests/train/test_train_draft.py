@@ -377,15 +377,15 @@ def test_recorded_samples_survive_preemption_and_chunking(tiny_checkpoint, tmp_p
     """Datagen under a pool small enough to preempt (rows recomputed, chunks overlapping) and with tiny
     prefill chunks records what a roomy run records: every position's taps and hidden state, the last
     position's zeroed."""
-    from test_greedy_vs_hf import _prompts, _tight_config
+    from engine_runs import make_prompts, tight_config
 
     path = tiny_checkpoint("llama")
-    prompts = _prompts(512, seed=3)
+    prompts = make_prompts(512, seed=3)
     layers = (0, 1)
-    tight, engine = _recorded_samples(_tight_config(str(path), 120), layers, prompts, tmp_path / "tight")
+    tight, engine = _recorded_samples(tight_config(str(path), 120), layers, prompts, tmp_path / "tight")
     assert engine.scheduler.num_preemptions > 0
-    roomy_config = replace(_tight_config(str(path), 4096), scheduler=replace(
-        _tight_config(None, 1).scheduler, max_running_requests=16, chunked_prefill_size=512))
+    roomy_config = replace(tight_config(str(path), 4096), scheduler=replace(
+        tight_config(None, 1).scheduler, max_running_requests=16, chunked_prefill_size=512))
     roomy, _ = _recorded_samples(roomy_config, layers, prompts, tmp_path / "roomy")
     _assert_same_samples(tight, roomy, 2e-2)
     for s in roomy:
@@ -396,16 +396,16 @@ def test_recorded_samples_survive_preemption_and_chunking(tiny_checkpoint, tmp_p
 def test_data_parallel_generation_records_what_one_engine_records(tiny_checkpoint, tmp_path):
     """Two generation workers (separate processes, each with half the requests and pool) write samples equal
     to one engine's, every prompt exactly once."""
-    from test_greedy_vs_hf import _prompts, _tight_config
+    from engine_runs import make_prompts, tight_config
 
     from specserve.core import SamplingParams
     from specserve.train.datagen import read_shards
     from specserve.train.run import _generate_in_workers
 
     path = tiny_checkpoint("llama")
-    prompts = _prompts(512, seed=5)
+    prompts = make_prompts(512, seed=5)
     layers = (0, 1)
-    config = _tight_config(str(path), 4096)
+    config = tight_config(str(path), 4096)
     one, _ = _recorded_samples(config, layers, prompts, tmp_path / "one")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     shards = _generate_in_workers(config, 2, prompts, layers, params, tmp_path / "two", shard_size=4)
@@ -418,11 +418,11 @@ def test_data_parallel_generation_records_what_one_engine_records(tiny_checkpoin
 
 
 def test_worker_configs_split_requests_graphs_and_pool():
-    from test_greedy_vs_hf import _tight_config
+    from engine_runs import tight_config
 
     from specserve.train.run import _worker_config
 
-    config = replace(_tight_config(None, 4096), cuda_graph_max_bs=6)
+    config = replace(tight_config(None, 4096), cuda_graph_max_bs=6)
     share = _worker_config(config, 3)
     assert share.scheduler.max_running_requests == share.cuda_graph_max_bs == 2
     assert share.cache.max_total_tokens == 1365
@@ -435,12 +435,12 @@ def test_worker_configs_split_requests_graphs_and_pool():
 
 def test_a_failing_generation_worker_fails_the_run(tmp_path):
     """Workers that cannot build their engine end the generation with an error, and none is left running."""
-    from test_greedy_vs_hf import _tight_config
+    from engine_runs import tight_config
 
     from specserve.core import SamplingParams
     from specserve.train.run import _generate_in_workers
 
-    config = _tight_config(str(tmp_path / "no-such-model"), 4096)
+    config = tight_config(str(tmp_path / "no-such-model"), 4096)
     with pytest.raises(RuntimeError, match="generation worker"):
         _generate_in_workers(config, 2, [[5, 6, 7]] * 4, (0, 1), SamplingParams(max_tokens=2), tmp_path / "d", 2)
     assert not list((tmp_path / "d").glob("shard-*"))

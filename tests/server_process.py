@@ -1,0 +1,41 @@
+"""`specserve serve` in a process of its own, on a free port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(*serve_args: str):
+    """`specserve serve` in its own process group on a free port; yields its base URL once /health is 200."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), *serve_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None
+        time.sleep(0.1)
+    try:
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

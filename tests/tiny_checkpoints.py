@@ -1,0 +1,62 @@
+"""Tiny random checkpoints in Hugging Face's format, and random EAGLE-3 heads for them."""
+from __future__ import annotations
+
+import torch
+
+TINY_BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    # A wide init gives peaked logits, so greedy never hinges on a last-bit tie.
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+TINY_CONFIGS = {
+    "llama": dict(
+        model_type="llama",
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "llama-tied": dict(model_type="llama", tie_word_embeddings=True, attention_bias=True),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=False, rope_theta=1000000.0),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32),
+}
+
+
+def write_tiny_checkpoint(kind: str, path, sharded: bool = False, seed: int = 0) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {**TINY_BASE, **TINY_CONFIGS[kind]}
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # biases and norms start at zero/one; randomise so the test sees them
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    model.save_pretrained(path, max_shard_size="200KB" if sharded else "10GB")
+
+
+def write_peaked_random_head(target_dir, out_dir, scale: float = 15.0, seed: int = 3):
+    """A random EAGLE-3 head for `target_dir` whose weights are scaled up, so its logits are far apart and
+    its top-k never hinges on rounding."""
+    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+
+    head = load_eagle3_head(None, read_model_config(target_dir), torch.float32, torch.device("cpu"), 512, seed=seed)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(scale)
+    save_eagle3_head(head, out_dir)
+    return out_dir
