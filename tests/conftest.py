@@ -2,6 +2,8 @@
 tiny_checkpoints, ...), and the skip of tests marked `gpu` on machines without CUDA."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -15,6 +17,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(needs_cuda)
+
+
+@pytest.fixture
+def switches():
+    """Sets environment switches (specserve/envs.py) for the rest of the test: `switches(fused_topk=False)`."""
+    from specserve import envs
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(envs.override(**values))
 
 
 @pytest.fixture(scope="session")

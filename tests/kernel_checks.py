@@ -35,7 +35,7 @@ def check_closed_tail_attention(device: str, dtype: torch.dtype, splits: int, to
     """Verified trees (runs of rows sharing a context, each row's tail its ancestors' slots and its own) with
     the tails attended as one block per run (`closed_tails`), against the PyTorch form of the per-row contract in
     fp32 on the CPU. On a GPU, or in Triton's interpreter."""
-    from specserve.kernels.triton import attention as triton_attention
+    from specserve import envs
     from specserve.layers.attention import AttentionMetadata, attend_rows
     from specserve.kernels.triton.attention import paged_decode_attention
 
@@ -62,12 +62,8 @@ def check_closed_tail_attention(device: str, dtype: torch.dtype, splits: int, to
                              tail_slots=tails, tail_lens=tail_lens)
     reference = attend_rows(q.float(), pool.float(), meta, dim**-0.5)
     on = [t.to(device) for t in (q, pool, row_tables, row_lens, tails, tail_lens)]
-    closed_before = triton_attention.CLOSED_TAILS
-    triton_attention.CLOSED_TAILS = True
-    try:
+    with envs.override(closed_tails=True):  # whatever SPECSERVE_CLOSED_TAILS says
         ours = paged_decode_attention(*on[:4], dim**-0.5, page, splits, *on[4:], per_seq, closed_tails=True)
-    finally:
-        triton_attention.CLOSED_TAILS = closed_before
     torch.testing.assert_close(ours.float().cpu().view(rows, -1), reference, atol=tolerance, rtol=tolerance)
 
 
@@ -136,7 +132,7 @@ def check_tree_accept(device: str) -> None:
     """triton_tree.accept_tree against TreeGraphs' PyTorch forms (`_leaf`, `_emit`, `_packed`, and the slots
     `_move_accepted` moves): greedy, with a path matched to a random depth in each tree, and forced (simulated)."""
     from specserve.kernels.triton import tree as triton_tree
-    from specserve.speculative.programs.chain import _packed
+    from specserve.speculative.programs.base import _packed
     from specserve.speculative.programs.tree import TreeGraphs
 
     generator = torch.Generator().manual_seed(5)
@@ -351,7 +347,8 @@ def check_accept_and_pack(device: str) -> None:
     matches (none, some, all), a mismatch after a match, limits below and above the matches, forced counts (also
     above the limit); a root read with a stride, as the program passes it; the copies a following step reads.
     On a GPU, or in Triton's interpreter."""
-    from specserve.speculative.programs.chain import _packed, accept_chain
+    from specserve.speculative.accept import accept_chain
+    from specserve.speculative.programs.base import _packed
     from specserve.kernels.triton.accept import accept_and_pack
 
     torch.manual_seed(0)

@@ -82,7 +82,7 @@ class AttentionMetadata:
     # the kernel reads that context once per run.
     rows_per_seq: int = 1
     # Every slot in a run's tails is one of its rows' own (a verified tree: ancestors and self), so the kernel
-    # may attend to the run's tails as one block (triton_attention.CLOSED_TAILS).
+    # may attend to the run's tails as one block (unless SPECSERVE_CLOSED_TAILS=0).
     closed_tails: bool = False
     decode_rows: DecodeRows | None = None  # with groups: the step's single-query rows, by the decode kernel
 
@@ -94,7 +94,7 @@ class AttentionMetadata:
         slices as fill the GPU (one elsewhere, where the kernel's PyTorch contract runs)."""
         splits = 1
         if block_tables.is_cuda:
-            from specserve.kernels.triton.attention import num_splits# Triton: GPU machines only
+            from specserve.kernels.triton.attention import num_splits  # Triton: GPU machines only
 
             splits = num_splits(block_tables.shape[0] // tails.get("rows_per_seq", 1), kv_heads, max_context)
         return cls(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, page_size=page_size,
@@ -243,7 +243,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Writes this step's k and v to their slots, then attends."""
     if kv_cache.is_cuda:
-        from specserve.kernels.triton.pointwise import store_kv# one launch for both, where Triton runs
+        from specserve.kernels.triton.pointwise import store_kv  # one launch for both, where Triton runs
 
         store_kv(k, v, kv_cache, meta.slot_mapping)
     else:

@@ -124,8 +124,8 @@ def test_trees_and_prefill_keep_the_reference_path(kernels):
     assert all(group.token_seq is None for group in meta.groups)
 
 
-def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+def test_switched_off_by_environment(switches):
+    switches(cpu_kernels=False)  # SPECSERVE_CPU_KERNELS=0
     cpu_kernels.kernels.cache_clear()
     try:
         assert cpu_kernels.kernels() is None
@@ -135,7 +135,6 @@ def test_switched_off_by_environment(monkeypatch):
         with torch.no_grad():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     finally:
-        monkeypatch.delenv("SPECSERVE_CPU_KERNELS")
         cpu_kernels.kernels.cache_clear()
 
 
@@ -154,7 +153,8 @@ def test_pointwise_kernels_match_eager(kernels, monkeypatch):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 576, generator=g) * 3
     weight = torch.randn(576, generator=g)
-    torch.testing.assert_close(pointwise.rms_norm(x, weight, 1e-5), _eager(monkeypatch, pointwise.rms_norm, x, weight, 1e-5))
+    torch.testing.assert_close(pointwise.rms_norm(x, weight, 1e-5),
+                               _eager(monkeypatch, pointwise.rms_norm, x, weight, 1e-5))
 
     # SiLU over a wide range: large negative gates (exp underflow), large positive ones, zeros.
     gate_up = torch.cat([torch.linspace(-100, 100, 7 * 64).view(7, 64), torch.randn(7, 64, generator=g)], dim=1)
@@ -200,7 +200,7 @@ def test_fp8_quantized_linear_holds_e4m3_values_with_a_scale_per_row():
     # its dtype and holds the quantized values: each row is e4m3 numbers times its scale, its largest magnitude
     # kept (to fp32 rounding), every value within e4m3's rounding (3 mantissa bits: half a step is 1/16 of a value, and
     # below e4m3's normal range, half the smallest step, scale * 2^-10). A row of zeros stays zeros.
-    from specserve.layers.linear import FP8, quantize_fp8_rows
+    from specserve.kernels.fp8 import FP8, quantize_fp8_rows
 
     torch.manual_seed(0)
     linear = Linear(300, 40, bias=False)
@@ -220,7 +220,7 @@ def test_fp8_quantized_linear_holds_e4m3_values_with_a_scale_per_row():
     torch.testing.assert_close(linear(x), x @ linear.weight.T)
     # What a GPU runs where the GEMV does not: the fp8 weight widened to its values in x's dtype. In fp16, sums
     # of the unscaled e4m3 values (up to 448 each) would overflow; these are ~0.3.
-    from specserve.layers.linear import dense_linear
+    from specserve.kernels.fp8 import dense_linear
 
     x16 = (torch.randn(3, 300) * 100).half()
     widened = dense_linear(x16, quantized, scale)

@@ -80,17 +80,17 @@ def test_norm_weights_moved_into_the_projections_keep_greedy_output(tiny_checkpo
     assert outputs == hf_greedy(path, prompts)
 
 
-def test_norm_weights_move_only_for_bf16_on_a_gpu_and_only_when_asked(monkeypatch):
+def test_norm_weights_move_only_for_bf16_on_a_gpu_and_only_when_asked(switches):
     from specserve.layers import linear
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setattr(linear, "TRITON_GEMV", True)
-    monkeypatch.setattr(linear, "FOLD_NORMS", True)
-    monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", False)
+    switches(triton_gemv=True, fold_norms=True, norm_in_weights=False)
     assert not linear.norms_go_in_weights(cuda, torch.bfloat16)
-    monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", True)
+    switches(norm_in_weights=True)
     assert linear.norms_go_in_weights(cuda, torch.bfloat16)
     assert not linear.norms_go_in_weights(cpu, torch.bfloat16)
     assert not linear.norms_go_in_weights(cuda, torch.float32)  # the folds, and so the move, are bf16 only
-    monkeypatch.setattr(linear, "FOLD_NORMS", False)
+    switches(fold_norms=False)
+    assert not linear.norms_go_in_weights(cuda, torch.bfloat16)
+    switches(fold_norms=True, triton_gemv=False)
     assert not linear.norms_go_in_weights(cuda, torch.bfloat16)

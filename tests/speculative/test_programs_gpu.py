@@ -18,15 +18,11 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("new_forms", [False, True], ids=["tails-per-row-pytorch-search", "one-block-fused-search"])
-def test_eagle3_tree_program_forms_match_transformers(tiny_checkpoint, tmp_path, monkeypatch, new_forms):
+def test_eagle3_tree_program_forms_match_transformers(tiny_checkpoint, tmp_path, switches, new_forms):
     """The tree program, in graphs and eagerly, gives HF's greedy output with its verified tree's tails attended
     a block per row or as one block (SPECSERVE_CLOSED_TAILS), and its search's bookkeeping in PyTorch or in
     Triton kernels (SPECSERVE_FUSED_SEARCH): both on by default."""
-    from specserve.kernels.triton import tree as triton_tree
-    from specserve.kernels.triton import attention as triton_attention
-
-    monkeypatch.setattr(triton_attention, "CLOSED_TAILS", new_forms)
-    monkeypatch.setattr(triton_tree, "ENABLED", new_forms)
+    switches(closed_tails=new_forms, fused_search=new_forms)
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     prompts = make_prompts(512, seed=5)
@@ -42,14 +38,13 @@ def test_eagle3_tree_program_forms_match_transformers(tiny_checkpoint, tmp_path,
 
 @pytest.mark.parametrize("fused_topk", [False, True], ids=["pytorch-topk", "fused-topk"])
 @pytest.mark.parametrize("simulate", [None, 2.5])
-def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, monkeypatch,
+def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, switches,
                                                                       simulate, fused_topk):
     """EAGLE-2 tree steps replayed as one graph each equal the same program run eagerly, and (greedy) HF; with
     the search's top-k in PyTorch or in the fused kernels (SPECSERVE_FUSED_TOPK)."""
-    from specserve.kernels.triton import topk as triton_topk
     from specserve.speculative.programs.tree import TreeGraphs
 
-    monkeypatch.setattr(triton_topk, "ENABLED", fused_topk)
+    switches(fused_topk=fused_topk)
 
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
@@ -72,13 +67,11 @@ def test_eagle3_tree_program_in_graphs_matches_eager_and_transformers(tiny_check
 
 @pytest.mark.parametrize("shared", [False, True], ids=["rows-apart", "shared-context"])
 @pytest.mark.parametrize("simulate", [None, 2.5])
-def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, monkeypatch,
+def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_checkpoint, tmp_path, switches,
                                                                        simulate, shared):
     """EAGLE-3 chain steps replayed as one graph each equal the same program run eagerly, and (greedy) HF; with
-    each sequence's rows attending apart and as one run over a shared context (SHARED_CONTEXT)."""
-    from specserve.speculative.programs import chain as chain_graphs
-
-    monkeypatch.setattr(chain_graphs, "SHARED_CONTEXT", shared)
+    each sequence's rows attending apart and as one run over a shared context (SPECSERVE_CHAIN_SHARED_CONTEXT)."""
+    switches(chain_shared_context=shared)
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     prompts = make_prompts(512, seed=5)
@@ -97,16 +90,14 @@ def test_eagle3_chain_program_in_graphs_matches_eager_and_transformers(tiny_chec
 
 
 @pytest.mark.parametrize("spec_args", [(3,), (1,), (4, 3, 9)], ids=["chain", "chain-of-one", "tree"])
-def test_following_rows_from_one_kernel_equal_the_pytorch_form(tiny_checkpoint, tmp_path, monkeypatch, spec_args):
-    """The fused kernel (engine/triton_follow.py) writes what SpecGraphs._follow's PyTorch form writes."""
-    from specserve.kernels.triton import follow as triton_follow
-
+def test_following_rows_from_one_kernel_equal_the_pytorch_form(tiny_checkpoint, tmp_path, switches, spec_args):
+    """The fused kernel (kernels/triton/follow.py) writes what SpecGraphs._follow's PyTorch form writes."""
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     config = replace(tight_config(str(path), 200), device="cuda", spec=SpecConfig("EAGLE3", str(tmp_path), *spec_args),
                      disable_cuda_graph=True)
     engine, _ = build_engine_core(config, progress=False)
-    monkeypatch.setattr(triton_follow, "ENABLED", False)
+    switches(fused_follow=False)
     check_fused_follow(engine.runner.program)
 
 
@@ -146,13 +137,11 @@ def check_fused_follow(program) -> None:
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree", "tree-fused-topk"])
-def test_programs_sample_unseeded_rows_without_syncs(tiny_checkpoint, tmp_path, monkeypatch, shape):
+def test_programs_sample_unseeded_rows_without_syncs(tiny_checkpoint, tmp_path, switches, shape):
     """Unseeded sampled rows take the chain or tree program (eagerly, beside its graphs) under overlap, and
     launching such a step makes no host-device synchronisation (CUDA's sync debug mode turns any into an error).
     Greedy rows and top-k 1 rows equal HF's greedy output, fully sampled rows do not, and every page comes back."""
-    from specserve.kernels.triton import topk as triton_topk
-
-    monkeypatch.setattr(triton_topk, "ENABLED", shape == "tree-fused-topk")
+    switches(fused_topk=shape == "tree-fused-topk")
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     spec = SpecConfig("EAGLE3", str(tmp_path), 3) if shape == "chain" else SpecConfig("EAGLE3", str(tmp_path), 4, 3, 9)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from specserve import envs
+
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
@@ -33,7 +35,7 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 def kernels():
     """The compiled module (`pack`, `linear`, `paged_attention`, `rms_norm`, `rotary_`, `silu_and_mul`), or
     None where it cannot run here."""
-    if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0":
+    if not envs.get().cpu_kernels:
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None

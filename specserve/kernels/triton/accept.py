@@ -1,15 +1,13 @@
 """A greedy chain step's acceptance and packing on the GPU, in one kernel.
 
-After the verify's argmax, `accept_chain` and `_packed` (chain_graphs.py) find each row's accepted drafts,
+After the verify's argmax, `accept_chain` and `_packed` (speculative/programs/chain.py) find each row's accepted drafts,
 put the target's own token after them and pack tokens and count for the read-back; the program then keeps a copy
 of the packed rows and of each root for a step that follows it. In PyTorch that is ~8 kernels of a few elements
 each, every one a full launch latency inside the chain step's graph. Here one program per row does all of it,
 launched early behind the argmax (PDL). The PyTorch form stays the CPU path and the reference a test holds this
-to. SPECSERVE_FUSED_ACCEPT=0 turns it off (the A/B switch).
+to.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -17,8 +15,6 @@ import triton.language as tl
 
 from specserve.kernels.triton import pdl as triton_pdl
 from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
-
-ENABLED = os.environ.get("SPECSERVE_FUSED_ACCEPT", "1") == "1"
 
 
 @triton.jit

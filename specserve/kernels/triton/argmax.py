@@ -8,8 +8,6 @@ torch.argmax, ties go to the lower index and a NaN beats every number (the first
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -17,8 +15,6 @@ import triton.language as tl
 from specserve.kernels.triton import pdl as triton_pdl
 from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
-# SPECSERVE_FUSED_ARGMAX=0 is the A/B switch back to torch.argmax.
-ENABLED = os.environ.get("SPECSERVE_FUSED_ARGMAX", "1") != "0"
 # Vocabulary entries a program of the first kernel takes: 16 per thread of 4 warps, and 63 programs for one row of
 # a 128k vocabulary, enough to spread even a batch-1 row over the GPU.
 BLOCK = 2048

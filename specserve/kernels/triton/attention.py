@@ -5,16 +5,16 @@ context through memory several times (and, with grouped-query attention, expands
 each program owns one sequence, one KV head (all the query heads that share it, so K/V is read once) and
 one slice of the context (flash-decoding: slices run in parallel so a single long sequence still fills the
 GPU). Each slice keeps a running max and sum (online softmax); when a context is cut into more than one
-slice, a second kernel merges them by their log-sum-exp (with one slice the first kernel writes the output). Everything is shaped by tensors, not host values, so it can be captured in a CUDA graph.
+slice, a second kernel merges them by their log-sum-exp (with one slice the first kernel writes the output).
+Everything is shaped by tensors, not host values, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from specserve import envs
 from specserve.kernels.triton import pdl as triton_pdl
 from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
@@ -24,9 +24,6 @@ from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 # keep the smaller tile.
 ROW_TILE = (64, 4, 4)
 TREE_TILE = (32, 4, 3)
-# A verified tree's tails as one block (`closed_tails`): its 16-token verify at context 600 took 4.29 ms against
-# 4.43 with a block per row (benchmarks/tree_step_forms.py). SPECSERVE_CLOSED_TAILS=0 is the A/B, read at import.
-CLOSED_TAILS = os.environ.get("SPECSERVE_CLOSED_TAILS", "1") != "0"
 
 
 @triton.jit
@@ -190,7 +187,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     context is read once for all R. `tile` (context tokens per inner iteration, warps, stages) is a tuning
     knob (default: ROW_TILE, or TREE_TILE for runs of rows). `closed_tails`: every slot in a run's tails is
     the last (own) slot of one of its rows, as in a verified tree, so the run's tails are attended as one block
-    with each row's mask (where CLOSED_TAILS)."""
+    with each row's mask (unless SPECSERVE_CLOSED_TAILS=0), which reads them once for the run instead of once a
+    row."""
     block, num_warps, num_stages = tile or (ROW_TILE if rows_per_seq == 1 else TREE_TILE)
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[2]
@@ -204,7 +202,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     lse = part if direct else torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     keys, values = kv_cache[0], kv_cache[1]
     assert batch % rows_per_seq == 0
-    closed = closed_tails and CLOSED_TAILS and tail_slots is not None
+    closed = closed_tails and envs.get().closed_tails and tail_slots is not None
     assert not closed or rows_per_seq > 1, "a run's tails are closed only over a run of rows"
     tail_width = tail_slots.shape[1] if closed else 0  # a constexpr of the closed form only (see above)
     tail_pad = 0 if tail_slots is None else max(16, triton.next_power_of_2(rows_per_seq if closed else

@@ -6,18 +6,13 @@ head's catch-up on the last step's root and accepted drafts, the new root and it
 the page table. On a GPU that is ~60 kernels of a few elements each, in every program graph, each paying a
 launch's latency: together about as long as the rest of a batch-1 chain step outside its forwards (~0.12 ms).
 This kernel writes the same buffers in one launch, one program per row. The PyTorch form stays the CPU path
-and is the reference a GPU test holds this to. SPECSERVE_FUSED_FOLLOW=0 turns it off (the A/B switch). On the
-H200 it took the gap between a batch-1 chain step's parts from 0.12 ms to 0.03.
+and is the reference a GPU test holds this to (SPECSERVE_FUSED_FOLLOW=0 runs it on a GPU).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
-
-ENABLED = os.environ.get("SPECSERVE_FUSED_FOLLOW", "1") == "1"
 
 
 @triton.jit
@@ -93,8 +88,7 @@ def follow_rows(program, bs: int, table: torch.Tensor) -> None:
 
 # The chain program's attention inputs that follow from its positions and slots (ChainGraphs._metas): in PyTorch
 # a copy, an add and a cast per forward and more for shared contexts, ~10-20 kernels of a few elements in every
-# step's graph. This kernel writes them in one launch. SPECSERVE_FUSED_ROWS=0 is the A/B switch.
-ROWS_ENABLED = os.environ.get("SPECSERVE_FUSED_ROWS", "1") == "1"
+# step's graph. This kernel writes them in one launch.
 
 
 @triton.jit

@@ -8,12 +8,10 @@ this way must call `gdc_wait` before it reads anything an earlier kernel wrote, 
 anything (a buffer it writes may still be read by the predecessor); the kernels here all do.
 
 Triton has the instructions from 3.4 on; with an older one (torch < 2.8) the kernels run without PDL.
-SPECSERVE_PDL=0 turns it off (an A/B switch for benchmarks).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -38,8 +36,7 @@ __all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options"]
 
 @functools.cache
 def enabled(device_index: int) -> bool:
-    return (AVAILABLE and os.environ.get("SPECSERVE_PDL", "1") != "0"
-            and torch.cuda.get_device_capability(device_index) >= (9, 0))
+    return AVAILABLE and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def launch_options(t: torch.Tensor) -> dict:

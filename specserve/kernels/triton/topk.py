@@ -6,20 +6,15 @@ small kernels in an H200 profile of the program, five times a step, each paying 
 graph. Here it takes two launches: blocks of each row find their max, their sum of exponentials and their k
 best entries, then one program per row merges them. Each pick takes the largest value ranked after the last
 pick in (value descending, index ascending) order, so ties keep the lower token id. The PyTorch form,
-`log_softmax_topk` in engine/tree_graphs.py, is the CPU path; a GPU test holds this to its values and to a
+`log_softmax_topk` in speculative/programs/tree.py, is the CPU path; a GPU test holds this to its values and to a
 stable sort's ranking.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# On an H200 it took the 8B tree's drafting from 1.60 to 1.33 ms a step (benchmarks/spec_step_parts.py, both in
-# one call); SPECSERVE_FUSED_TOPK=0 is the A/B switch back to PyTorch's softmax and top-k.
-ENABLED = os.environ.get("SPECSERVE_FUSED_TOPK", "1") != "0"
 BLOCK = 2048  # vocabulary entries a program of the first kernel keeps in registers
 
 
@@ -80,8 +75,8 @@ def _topk_merge_kernel(PART_VALUES, PART_INDICES, PART_MAX, PART_SUM, VALUES, IN
 
 
 def fused_log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tree_graphs.log_softmax_topk` in two Triton launches (blocks of each row, then each row), ties to the
-    lower index; logits [rows, vocab] with unit stride along the vocabulary."""
+    """`speculative.programs.tree.log_softmax_topk` in two Triton launches (blocks of each row, then each row),
+    ties to the lower index; logits [rows, vocab] with unit stride along the vocabulary."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1 or not 0 < k <= vocab:
         raise ValueError(f"needs unit stride along the vocabulary and 0 < k <= vocab, got {logits.stride()}, k={k}")

@@ -11,12 +11,9 @@ stable sort does.
 
 Three more kernels take what was left of the step's small PyTorch operations: the row inputs that follow from
 the step's positions (`step_rows`, ~8 operations), the search's first level (`root_children`, ~5) and the move
-of the accepted nodes' KV and taps (`move_slots`, 4). On the H200 the batch-1 tree step took 5.17 ms with them
-against 5.29 without.
+of the accepted nodes' KV and taps (`move_slots`, 4). SPECSERVE_FUSED_SEARCH=0 runs the PyTorch forms on a GPU.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -24,14 +21,11 @@ import triton.language as tl
 
 from specserve.kernels.triton.follow import copy_table_rows
 
-# SPECSERVE_FUSED_SEARCH=0 is the A/B switch back to the PyTorch form on a GPU.
-ENABLED = os.environ.get("SPECSERVE_FUSED_SEARCH", "1") != "0"
 # The rankings compare every pair of candidates in one program: searches with more candidates than this keep the
 # PyTorch form (the issue's top-4, 5-level tree has 68).
 MAX_CANDIDATES = 256
-# One selection takes 9.6 us at 4 warps and 9.1 at 8 in a graph of copies on an H200 (19.0 before its paths were
-# walked among the nodes and it wrote the verify's rows); in the tree step the two warp counts tie.
-SELECT_WARPS = int(os.environ.get("SPECSERVE_SELECT_WARPS", "8"))
+# Warps of the selection kernel: timed alone, 8 edged out 4 (in the tree step the two tie).
+SELECT_WARPS = 8
 
 
 @triton.jit
