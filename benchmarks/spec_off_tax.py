@@ -21,7 +21,6 @@ import argparse
 import cProfile
 import gc
 import json
-import os
 import pstats
 import time
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specserve import SamplingParams
+from specserve import SamplingParams, envs
 from specserve.bench.decode import hardware_info, make_prompts
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 
@@ -192,7 +191,7 @@ def main() -> None:
               "simulated": "the acceptance of the chain and tree rows",
               "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head",
                            "max_running_requests": max(args.batch_sizes),
-                           "gemv_decisions": os.environ.get("SPECSERVE_GEMV_CHOICES", "shipped")},
+                           "gemv_decisions": envs.get().gemv_choices},
               "results": rows}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -11,7 +11,7 @@ import torch
 
 from specserve.kernels.triton import gemv as triton_gemv
 from specserve.kernels.tuning.choices import Tile
-from specserve.layers.linear import quantize_fp8_rows
+from specserve.kernels.fp8 import quantize_fp8_rows
 
 # fp16 inputs and outputs, fp32 accumulation: one fp16 step is ~1e-3 of a value (0.004 at 4-8; the gate/up
 # products reach the hundreds), so the bound is relative, plus a floor for values near zero.

@@ -1,51 +1,38 @@
-"""A Linear layer that packs its weight once for a faster CPU kernel.
+"""A Linear layer that packs its weight once for a faster CPU kernel, and takes the Triton GEMV on a GPU.
 
-PyTorch's default fp32 GEMM re-lays-out the weight at every call, which dominates small-batch decode on CPU
-(a 2-core EPYC spent 129 ms per SmolLM2 step at batch 8 in plain `F.linear`, 60 ms with oneDNN pre-packed
-weights). Packing at load keeps fp32 math and cuts that cost; the hand-written kernel (cpu_kernels.py)
-cuts it again, and oneDNN is the fallback where that kernel cannot be built. A weight whose values are all
-bf16 numbers (loaded from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
-On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV of triton_gemv.py for each weight
-shape (and row count: one, or several) where it timed faster than cuBLAS; the MLP's gate/up projection applies
-SiLU-and-multiply to its outputs inside that GEMV, and in bf16 a decoder layer whose `qkv` projection takes it
-with its RMSNorm folded in folds its norms and residual adds into the GEMVs around them (models/llama.py).
-Everything else uses plain `F.linear`. A draft head's weights may be quantized to fp8 (`Linear.quantize_fp8`):
-the GEMV reads them as they are; `F.linear` gets them widened first (`dense_linear`).
+PyTorch's default fp32 GEMM re-lays-out the weight at every call, which dominates small-batch decode on CPU.
+Packing at load keeps fp32 math and cuts that cost; the hand-written kernel (kernels/cpu) cuts it again, and
+oneDNN is the fallback where that kernel cannot be built. A weight whose values are all bf16 numbers (loaded
+from a bf16 checkpoint) is packed as bf16: same values, half the bytes to stream.
+On a GPU, decode steps of at most 16 rows in bf16/fp16 go to the Triton GEMV (kernels/triton/gemv.py) for each
+weight shape and row count where the chooser (kernels/tuning/chooser.py) timed it faster than cuBLAS; the MLP's
+gate/up projection applies SiLU-and-multiply to its outputs inside that GEMV, and in bf16 a decoder layer whose
+`qkv` projection takes it with its RMSNorm folded in folds its norms and residual adds into the GEMVs around
+them (models/llama.py). Everything else uses plain `F.linear`. A draft head's weights may be quantized to fp8
+(`Linear.quantize_fp8`): the GEMV reads them as they are; `F.linear` gets them widened first
+(kernels/fp8.dense_linear). Switches (specserve/envs.py): SPECSERVE_TRITON_GEMV, SPECSERVE_FOLD_NORMS and
+SPECSERVE_NORM_IN_WEIGHTS.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels.cpu import build as cpu_kernels
-
-# SPECSERVE_TRITON_GEMV=0 keeps cuBLAS for every shape (an A/B switch for benchmarks).
-
+from specserve import envs
 from specserve.kernels import pointwise
-TRITON_GEMV = os.environ.get("SPECSERVE_TRITON_GEMV", "1") != "0"
-# SPECSERVE_FOLD_NORMS=0 keeps a decoder layer's RMSNorms as kernels of their own (an A/B switch).
-FOLD_NORMS = os.environ.get("SPECSERVE_FOLD_NORMS", "1") != "0"
-# SPECSERVE_NORM_IN_WEIGHTS=1: where norms fold (bf16 on a GPU), a decoder layer's RMSNorm weights are multiplied
-# into the projections after them at load (models/loader.py), so a GEMV that folds a norm in leaves its input as
-# loaded and only scales its outputs. On an H200, batch 1: plain and chain steps even or faster, the tree's step
-# 6.68 against 6.93 ms of device time (within the spread between processes); =0 is the A/B switch.
-NORM_IN_WEIGHTS = os.environ.get("SPECSERVE_NORM_IN_WEIGHTS", "1") != "0"
-
-
-FP8 = torch.float8_e4m3fn  # weights only (a draft model's: --speculative-draft-model-quantization fp8)
+from specserve.kernels.cpu import build as cpu_kernels
+from specserve.kernels.fp8 import dense_linear, fp8_values, quantize_fp8_rows
 
 # From this many rows on (prefill chunks) the weight is read from cache many times over, and MKL's blocked GEMM
-# beats the streaming kernel (measured: 283 vs 338 ms for 1024 rows through four SmolLM2 layers).
+# beats the streaming kernel.
 LARGE_M = 256
 
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     packed_kernel = None  # the compiled CPU GEMM module when it packed the weight, else oneDNN
-    # How the model calls it, so the GEMV choice can be made for those forms at startup (triton_gemv.decide_all):
+    # How the model calls it, so the GEMV choice can be made for those forms at startup (decide_gemv_tiles):
     gated = False  # through `forward_gated`: an MLP's [gate; up] projection
     takes_norm = False  # with an RMSNorm to fold in, where the layer folds
     norm_in_weight = False  # that norm's weight is multiplied into this weight (DecoderLayer, at load)
@@ -102,24 +89,25 @@ class Linear(nn.Linear):
 
     def folds_norm(self, x: torch.Tensor) -> bool:
         """Whether a call on x with a norm would apply it inside the Triton GEMV (see `forward`)."""
-        return FOLD_NORMS and x.dtype == torch.bfloat16 and self.gemv_tile(x, norm=True) is not None
+        return envs.get().fold_norms and x.dtype == torch.bfloat16 and self.gemv_tile(x, norm=True) is not None
 
     def gemv_tile(self, x: torch.Tensor, gate_up: bool = False, norm: bool = False):
         """The Triton GEMV tile that a call on x would run, or None where it takes cuBLAS."""
         rows = x.reshape(-1, x.shape[-1])
-        if not (TRITON_GEMV and x.is_cuda and self.bias is None and rows.shape[0] <= 16 and rows.stride(-1) == 1
-                and not torch.is_grad_enabled() and x.dtype == self.input_dtype):
+        if not (envs.get().triton_gemv and x.is_cuda and self.bias is None and rows.shape[0] <= 16
+                and rows.stride(-1) == 1 and not torch.is_grad_enabled() and x.dtype == self.input_dtype):
             return None
-        from specserve.kernels.triton import gemv as triton_gemv
+        from specserve.kernels.triton.gemv import DTYPES
+        from specserve.kernels.tuning.chooser import choice
 
-        if x.dtype not in triton_gemv.DTYPES:
+        if x.dtype not in DTYPES:
             return None
-        return triton_gemv.choice.tile(rows, self.weight, gate_up, norm, gamma=not self.norm_in_weight)
+        return choice.tile(rows, self.weight, gate_up, norm, gamma=not self.norm_in_weight)
 
     def _forward_gpu(self, x: torch.Tensor, gate_up: bool = False, norm=None, add=None) -> torch.Tensor:
         # Folds are bf16 only: unless that weight is in this one, they scale x by the norm's weight before the
         # reciprocal RMS, where fp16 could overflow.
-        folds = norm is not None and x.dtype == torch.bfloat16 and FOLD_NORMS
+        folds = norm is not None and x.dtype == torch.bfloat16 and envs.get().fold_norms
         tile = self.gemv_tile(x, gate_up, norm=True) if folds else None
         if tile is None:  # no fold (or cuBLAS won against it): the norm apart, then the best form
             if norm is not None:
@@ -154,8 +142,34 @@ class Linear(nn.Linear):
 
 
 def norms_go_in_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model loaded for `device` and `dtype` moves its norms' weights into its projections."""
-    return NORM_IN_WEIGHTS and FOLD_NORMS and TRITON_GEMV and device.type == "cuda" and dtype == torch.bfloat16
+    """Whether a model loaded for `device` and `dtype` moves its norms' weights into its projections, so that a
+    GEMV folding a norm in leaves its input as loaded and only scales its outputs (models/loader.py)."""
+    switches = envs.get()
+    return (switches.norm_in_weights and switches.fold_norms and switches.triton_gemv and device.type == "cuda"
+            and dtype == torch.bfloat16)
+
+
+def decide_gemv_tiles(model: nn.Module) -> None:
+    """Decides every row bucket of the model's GEMV-eligible weights now, at startup: steps run untimed
+    (`Choice.untimed`), and what their eager calls meet undecided takes cuBLAS for good (a draft model runs
+    eagerly in every drafting step). Each is decided in the forms it is called in (`Linear.gated`,
+    `Linear.takes_norm`): an MLP's gate/up projection with SiLU-and-multiply on its output, and in bf16 the
+    projections a norm may fold into with and without the norm. Shapes already decided (by the graphs' warm-ups)
+    cost nothing."""
+    switches = envs.get()
+    if not switches.triton_gemv:
+        return
+    from specserve.kernels.triton.gemv import DTYPES
+    from specserve.kernels.tuning.chooser import ROW_BUCKETS, choice
+
+    for linear in model.modules():
+        if not isinstance(linear, Linear) or linear.bias is not None or linear.input_dtype not in DTYPES:
+            continue
+        folds = linear.takes_norm and switches.fold_norms and linear.input_dtype == torch.bfloat16
+        for rows in ROW_BUCKETS:
+            x = torch.zeros(rows, linear.in_features, dtype=linear.input_dtype, device=linear.weight.device)
+            for norm in (False, True) if folds else (False,):
+                choice.tile(x, linear.weight, linear.gated, norm, gamma=not linear.norm_in_weight)
 
 
 def can_prepack(model: nn.Module) -> bool:
@@ -167,26 +181,3 @@ def prepack_linears(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepack()
-
-
-def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (fp8 e4m3 [N, K], fp32 scales [N]): each row's largest magnitude maps to e4m3's largest
-    value (a row of zeros gets the smallest scale, not a division by zero)."""
-    weight = weight.detach().float()
-    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / torch.finfo(FP8).max
-    return (weight / scale[:, None]).to(FP8), scale
-
-
-def fp8_values(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The fp32 values an fp8 weight holds: each row's e4m3 numbers times its scale (`quantize_fp8_rows`)."""
-    return quantized.float() * scale[:, None]
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T by PyTorch; an fp8 weight (with its per-row `scale`) is first widened to its values in x's
-    dtype, scaled in fp32 (scaling the sums instead would hold sums of unscaled e4m3 values in x's dtype, which
-    overflow fp16). It reads the fp8 weight and writes and reads a 16-bit one: more bytes than a 16-bit weight,
-    so it serves calls the GEMV does not take (more than 16 rows, or where cuBLAS was chosen)."""
-    if scale is None:
-        return F.linear(x, weight)
-    return F.linear(x, fp8_values(weight, scale).to(x.dtype))

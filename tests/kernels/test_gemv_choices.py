@@ -1,4 +1,4 @@
-"""The GEMV chooser's decisions file (layers/gemv_choices.py): what a start saves, a later one reads back whole,
+"""The GEMV chooser's decisions file (kernels/tuning/choices.py): what a start saves, a later one reads back whole,
 and only on the GPU it was made on."""
 from __future__ import annotations
 

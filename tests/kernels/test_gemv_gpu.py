@@ -10,11 +10,11 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (4096, 4096), (1000, 200)])
-def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
+def test_triton_gemv_matches_cublas(rows, shape):
     """Every tile shape the chooser may pick, plain and in the gate/up form (SiLU-and-multiply applied to the
-    two halves' outputs before they are stored), on shapes that divide the tiles and shapes that do not; and
-    with several-row kernels letting the next launch halfway through their loop (SPECSERVE_GEMV_TRIGGER_AT)."""
+    two halves' outputs before they are stored), on shapes that divide the tiles and shapes that do not."""
     from specserve.kernels.triton import gemv as triton_gemv, pointwise as triton_pointwise
+    from specserve.kernels.tuning import chooser
 
     torch.manual_seed(rows)
     weight = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / shape[1] ** 0.5
@@ -31,16 +31,11 @@ def test_triton_gemv_matches_cublas(rows, shape, monkeypatch):
             gated_tiles += 1
     assert gated_tiles >= 5
     tma_here = triton_gemv.TensorDescriptor is not None and triton_gemv._has_tma(weight.device)
-    if triton_gemv.TMA_ON and rows > 1 and tma_here:
-        assert triton_gemv._tma_ok(weight), "the TMA tiles above ran with ordinary loads"
-    if rows > 1:  # results only: they cannot show where the trigger fell (tests/kernels/test_triton_interpreter.py does)
-        monkeypatch.setattr(triton_gemv, "TRIGGER_AT", 0.5)
-        for tile in _every_tile(rows, shape[1]):
-            torch.testing.assert_close(triton_gemv.gemv(x, weight, tile).float(), reference, atol=2e-2, rtol=2e-2)
-        monkeypatch.undo()
-    choice = triton_gemv.Choice()  # no decisions file: the shipped ones hold some of these shapes untimed
+    if rows > 1 and tma_here:
+        assert triton_gemv.tma_ok(weight), "the TMA tiles above ran with ordinary loads"
+    choice = chooser.Choice()  # no decisions file: the shipped ones hold some of these shapes untimed
     tile = choice.tile(x, weight)
-    assert tile is None or isinstance(tile, triton_gemv.Tile)
+    assert tile is None or isinstance(tile, chooser.Tile)
     assert "cublas" in choice.timings[choice.key(x, weight)]
 
 
@@ -50,8 +45,9 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
     values it holds, e4m3 times a scale per row: every tile (the TMA ones with ordinary loads), plain and in
     the gate/up form, with a norm folded in and with a residual, then the chooser's pick through the Linear (in
     inference mode, as steps run: with autograd on it takes PyTorch's matmul), eagerly and in a CUDA graph."""
+    from specserve.kernels.fp8 import FP8
     from specserve.kernels.triton import gemv as triton_gemv, pointwise as triton_pointwise
-    from specserve.layers.linear import FP8, Linear
+    from specserve.layers.linear import Linear, decide_gemv_tiles
 
     torch.manual_seed(rows)
     for out_features, in_features in ((4096, 4096), (1000, 200)):
@@ -77,7 +73,7 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
             gated = _gate_up_or_none(x, linear.weight, tile, scale=scale)
             if gated is not None:
                 torch.testing.assert_close(gated.float(), gated_reference, atol=2e-2, rtol=2e-2)
-        triton_gemv.decide_all(linear)
+        decide_gemv_tiles(linear)
         with torch.inference_mode():
             assert linear.gemv_tile(x) is not None or out_features != 4096  # the H200's shipped decisions: a tile
             torch.testing.assert_close(linear(x).float(), reference, atol=2e-2, rtol=2e-2)
@@ -90,18 +86,18 @@ def test_fp8_weights_in_the_gemv_match_their_dequantized_values(rows):
 
 @pytest.mark.parametrize("bits", [True, False], ids=["moved-bits", "triton-conversion"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype, bits, monkeypatch):
+def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype, bits, switches):
     """Several-row GEMVs widen fp8 weights by moving bits on sm_90 on (triton_gemv._widen), or by Triton's
     conversion (SPECSERVE_GEMV_FP8_BITS=0, as one-row GEMVs do): every e4m3 code but the two NaNs, at each of the
     four places in a 32-bit word, must come out as its exact value (subnormals, zeros and signs included). Row n
     of the weight holds the codes n, n+1, ... (mod 256), and each of x's rows picks one column (the first four:
     each place in a word), so each output is one weight times 1, exact in fp32 and in bf16 and fp16."""
+    from specserve.kernels.fp8 import FP8
     from specserve.kernels.triton import gemv as triton_gemv
-    from specserve.layers.linear import FP8
 
     if bits and not triton_gemv._sm90_or_later(torch.cuda.current_device()):
         pytest.skip("moving bits needs sm_90 (bf16x2 multiply)")
-    monkeypatch.setattr(triton_gemv, "FP8_BITS", bits)
+    switches(gemv_fp8_bits=bits)
     codes = (torch.arange(256)[:, None] + torch.arange(512)[None, :]) % 256
     codes[(codes & 0x7F) == 0x7F] = 0
     weight = codes.to(torch.uint8).view(FP8).cuda()
@@ -119,15 +115,15 @@ def test_fp8_weights_widen_to_their_exact_values_for_every_code(dtype, bits, mon
 
 def _every_tile(rows: int, width: int, fp8: bool = False):
     """Every tile the kernel takes for `rows` of a `width`-wide weight, whether the chooser times it for every
-    form or not; the TMA tiles where they are on (SPECSERVE_GEMV_TMA, on by default), and the split ones whose
-    splits all get columns; with `fp8`, one row's for fp8 weights too."""
-    from specserve.kernels.triton import gemv as triton_gemv
+    form or not: the TMA tiles, and the split ones whose splits all get columns; with `fp8`, one row's for fp8
+    weights too."""
+    from specserve.kernels.triton.gemv import split_fits
+    from specserve.kernels.tuning import chooser as c
 
     if rows == 1:
-        return triton_gemv.ONE_ROW_TILES + (triton_gemv.FP8_ONE_ROW_TILES if fp8 else [])
-    tma = triton_gemv.TMA_TILES + triton_gemv.SPLIT_TMA_TILES if triton_gemv.TMA_ON else []
-    tiles = triton_gemv.ROWS_TILES + triton_gemv.SWAP_TILES + triton_gemv.SPLIT_ROWS_TILES + tma
-    return [tile for tile in tiles if triton_gemv.split_fits(width, tile)]
+        return c.ONE_ROW_TILES + (c.FP8_ONE_ROW_TILES if fp8 else [])
+    tiles = c.ROWS_TILES + c.SWAP_TILES + c.SPLIT_ROWS_TILES + c.TMA_TILES + c.SPLIT_TMA_TILES
+    return [tile for tile in tiles if split_fits(width, tile)]
 
 
 def _gate_up_or_none(x, weight, tile, **kwargs):

@@ -73,10 +73,11 @@ def test_argmax_kernels_pick_like_torch_and_replay_in_a_graph(dtype):
     assert torch.equal(graphed, logits.argmax(dim=-1))
     if dtype == torch.bfloat16:  # after a kernel launched early (PDL), as after the lm_head's GEMV in a step
         from specserve.kernels.triton import gemv as triton_gemv
+        from specserve.kernels.tuning.chooser import ROWS_TILES
 
         weight = torch.randn(32000, 4096, device="cuda", dtype=dtype)
         x = torch.randn(4, 4096, device="cuda", dtype=dtype)
-        tile = triton_gemv.ROWS_TILES[5]
+        tile = ROWS_TILES[5]
         argmax(triton_gemv.gemv(x, weight, tile))  # compiled outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -30,31 +30,14 @@ def _run_in_interpreter(script: str, timeout: int) -> None:
 def test_chooser_takes_the_norm_apart_where_it_beats_every_folded_tile():
     # None for a folded norm's call means: the norm as a kernel of its own, then the best form without it
     # (Linear._forward_gpu), so the chooser returns None where that was timed faster than every folded tile.
-    from specserve.kernels.triton.gemv import NORM_APART, Tile, pick
+    from specserve.kernels.tuning.chooser import NORM_APART, Tile, pick
 
     tiles = {"a": Tile(32, 256, 4, 4), "b": Tile(64, 128, 4, 3)}
     assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0, NORM_APART: 39.0}, tiles) is None
     assert pick({"cublas": 90.0, "a": 55.0, "b": 38.0, NORM_APART: 39.0}, tiles) == tiles["b"]
     assert pick({"cublas": 90.0, "a": 55.0, "b": 50.0}, tiles) == tiles["b"]  # no unfolded tile was timed
     assert pick({"cublas": 40.0, "a": 55.0, NORM_APART: 45.0}, tiles) is None
-
-
-def test_several_row_gemvs_trigger_their_dependents_exactly_once():
-    # A kernel launched with programmatic dependent launch must trigger once; with none, the next kernel waits
-    # for this one to finish before it can even launch. The kernel triggers in its main loop where
-    # k0 == trigger_column (k0 = block_k, 2 block_k, ... < width) or after the loop where trigger_column >= width.
-    from specserve.kernels.triton.gemv import _trigger_column
-
-    for block_k in (64, 128, 256, 512):
-        for width in range(1, 5000, 37):
-            loop = range(block_k, width, block_k)
-            for fraction in (1e-6, 0.1, 0.5, 0.75, 0.9, 0.999, 1.0):
-                column = _trigger_column(width, block_k, fraction)
-                triggers = sum(k0 == column for k0 in loop) + (column >= width)
-                assert triggers == 1, (width, block_k, fraction, column)
-    # How far in: 4096 wide in steps of 256 (the step before the loop is the first): after 12 of 16 at 0.75.
-    assert _trigger_column(4096, 256, 0.75) == 11 * 256
-    assert _trigger_column(4096, 256, 1.0) == 4096
+    assert pick({"cublas": 40.0, "a": 55.0}, tiles, cublas_margin=float("inf")) == tiles["a"]  # tiles everywhere
 
 
 _TOPK_IN_INTERPRETER = """
@@ -81,10 +64,11 @@ def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
 _FP8_GEMV_IN_INTERPRETER = """
 from gemv_checks import ATOL, RTOL, fp8_forms, interpreter_range
 from specserve.kernels.triton import gemv as triton_gemv
+from specserve.kernels.tuning import chooser
 triton_gemv.range = interpreter_range
 torch.manual_seed(0)
-for rows, tiles in ((1, triton_gemv.ONE_ROW_TILES[:1]),
-                    (3, [triton_gemv.ROWS_TILES[0], triton_gemv.SWAP_TILES[0], triton_gemv.TMA_TILES[0]])):
+for rows, tiles in ((1, chooser.ONE_ROW_TILES[:1]),
+                    (3, [chooser.ROWS_TILES[0], chooser.SWAP_TILES[0], chooser.TMA_TILES[0]])):
     for out_features, width in ((96, 64), (100, 600)):
         weight = (torch.randn(out_features, width) / width**0.5).half()
         weight[1] = 0.0  # a row of zeros gets the smallest scale, not a division by zero
@@ -187,11 +171,11 @@ from engine_runs import count_accepted, hf_greedy, make_prompts, run_staggered, 
 from gemv_checks import interpreter_range
 from tiny_checkpoints import write_peaked_random_head
 from specserve.config import SpecConfig
-from specserve.engine import factory
 from specserve.kernels.triton import follow as triton_follow, tree as triton_tree
 from specserve.engine.factory import build_engine_core
 triton_tree.range = triton_follow.range = interpreter_range
-factory.TREE_PROGRAM_ON_CPU = True
+from specserve.speculative.drafters import eagle3
+eagle3.TREE_PROGRAM_ON_CPU = True
 from pathlib import Path
 path, head = Path({path!r}), Path({head!r})
 write_peaked_random_head(path, head)
@@ -202,7 +186,7 @@ for tree in (dict(num_steps=4, eagle_topk=3, num_draft_tokens=9), dict(num_steps
     for fused in (True, False):
         spec = SpecConfig("EAGLE3", str(head), **tree)
         engine, _ = build_engine_core(replace(tight_config(str(path), 200), spec=spec), progress=False)
-        program = engine.runner.spec_graphs
+        program = engine.runner.program
         if fused:
             program.fused = True
             program._allocate_search(program.candidate_depth.numel())
@@ -286,7 +270,7 @@ def alloc_slots(kernel, types, constants, stages):
 
 types = dict(X="*bf16", W="*bf16", OUT="*bf16", GAMMA="*bf16", RES="*bf16", SCALE="*fp32", WS="*fp32",
              COUNTERS="*i32", M="i32", N="i32", K="i32", K_SPLIT="i32", stride_xm="i32", stride_wn="i32",
-             stride_om="i32", stride_rm="i32", eps="fp32", trigger_k="i32")
+             stride_om="i32", stride_rm="i32", eps="fp32")
 for (block_n, block_k, stages), split in itertools.product(((64, 256, 4), (128, 128, 3)), (1, 2)):
     for gate_up in (False, True):
         form = dict(ROWS=16, GATE_UP=gate_up, NORM=True, GAMMA_ON=False, ADD=False, BLOCK_N=block_n,
@@ -296,8 +280,7 @@ for (block_n, block_k, stages), split in itertools.product(((64, 256, 4), (128, 
         for even in (True, False):
             checks["pointer loads", even] = alloc_slots(
                 triton_gemv._gemv_kernel, types,
-                {**form, "ONE_ROW": False, "SWAP": True, "EVEN": even, "LATE_TRIGGER": True, "SCALED": False,
-                 "FP8_BITS": False}, stages)
+                {**form, "ONE_ROW": False, "SWAP": True, "EVEN": even, "SCALED": False, "FP8_BITS": False}, stages)
         for name, slots in checks.items():
             x_slots = {int(n) for n, rows, _ in slots if int(rows) == 16}
             w_slots = {int(n) for n, rows, _ in slots if int(rows) == block_n}

@@ -14,19 +14,18 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("in_weights", [False, True], ids=["norm-weights-apart", "norm-weights-in-projections"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpoint, monkeypatch, rows, in_weights):
+def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpoint, monkeypatch, switches, rows,
+                                                                    in_weights):
     """A bf16 step of one row (decode) or four (a chain verify of three drafts) through the whole model, with
     norms and adds folded into the GEMVs and with separate norm kernels: each form's hidden states, taps and
     logits against the same step in fp32. With `in_weights` the bf16 model's norm weights are moved into its
     projections at load (SPECSERVE_NORM_IN_WEIGHTS), so the folds only scale by the reciprocal RMS."""
-    from specserve.layers import linear
     from specserve.kernels.triton import gemv as triton_gemv
+    from specserve.kernels.tuning import chooser
 
-    monkeypatch.setattr(linear, "NORM_IN_WEIGHTS", in_weights)
-    # A fresh choice that always takes a tile: the tiny shapes may time faster in cuBLAS.
-    monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
-    monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
-    monkeypatch.setattr(triton_gemv, "NORM_APART_ON", False)  # nor the norm apart
+    switches(norm_in_weights=in_weights)
+    # A fresh choice that always takes a tile (the tiny shapes may time faster in cuBLAS), nor the norm apart.
+    monkeypatch.setattr(chooser, "choice", chooser.Choice(cublas_margin=float("inf"), norm_apart=False))
     path = tiny_checkpoint("llama", True)
     prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.inference_mode():
@@ -46,7 +45,7 @@ def test_decoder_layers_with_folded_norms_match_the_unfolded_layers(tiny_checkpo
         folded = step()
         # Moved, the folds scale by 1 / rms(x) alone; apart, they take the norm's weight.
         assert fold_gammas and all((gamma is None) == in_weights for gamma in fold_gammas)
-        monkeypatch.setattr(linear, "FOLD_NORMS", False)
+        switches(fold_norms=False)
         unfolded = step()
         exact = _prefilled_step(path, "float32", prompt, rows)[1]()
     # Both bf16 forms carry the rounding of bf16 weights and activations, which grows through the layers (the

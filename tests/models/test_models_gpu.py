@@ -47,13 +47,11 @@ def test_eagle3_head_logits_fold_its_norm_and_map_drafts_in_bf16(monkeypatch):
     chain's argmax with the draft-to-target offsets against `to_target_ids` of torch.argmax."""
     from specserve.config import ModelConfig
     from specserve.kernels import pointwise
-    from specserve.kernels.triton import gemv as triton_gemv
+    from specserve.kernels.tuning import chooser
     from specserve.sampling.sampler import argmax
     from specserve.models.eagle3 import Eagle3Config, Eagle3Head
 
-    monkeypatch.setattr(triton_gemv, "choice", triton_gemv.Choice())
-    monkeypatch.setattr(triton_gemv, "CUBLAS_MARGIN", float("inf"))
-    monkeypatch.setattr(triton_gemv, "NORM_APART_ON", False)
+    monkeypatch.setattr(chooser, "choice", chooser.Choice(cublas_margin=float("inf"), norm_apart=False))
     cfg = ModelConfig("LlamaForCausalLM", 2000, 512, 1024, 1, 8, 2, 64, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config(cfg, 1000, 512, (0, 0, 0)), 256).cuda().to(torch.bfloat16)

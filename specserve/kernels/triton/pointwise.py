@@ -3,10 +3,10 @@
 Profiled on a Llama-3.1-8B shape, a 16k-token prefill chunk spent ~1 ms a layer in the compiled rotary kernel
 and ~1 ms in SiLU-and-multiply, 3-8x what their memory traffic needs; a decode step paid two KV-store
 launches a layer. A decode step now folds the residual add into RMSNorm and the KV store into the rotary
-kernel, so a layer launches three of these (two norms, one rotary) where it launched seven. Each kernel here rounds where the eager
-reference does (fp32 math, one cast per result), so outputs match it to the last bit or within one rounding
-of it. None has a backward: callers that need gradients keep the eager functions. The fused ones launch with
-programmatic dependent launch (triton_pdl.py).
+kernel, so a layer launches three of these (two norms, one rotary) where it launched seven. Each kernel here
+rounds where its PyTorch form (kernels/pointwise.py, `eager_*`) does (fp32 math, one cast per result), so outputs
+match it to the last bit or within one rounding of it. None has a backward: callers that need gradients keep
+the PyTorch forms. The fused ones launch with programmatic dependent launch (pdl.py).
 """
 from __future__ import annotations
 

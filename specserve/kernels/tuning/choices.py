@@ -1,16 +1,15 @@
 """GEMV tiles, and the chooser's decisions as a file that a later start can take instead of timing them.
 
-The chooser (layers/triton_gemv.py) decides each weight shape's tile by timing it alone in a CUDA graph. A
-decision made another way, such as by the verify step's own time (benchmarks/verify_gemv_choices.py
---descend), or simply one a start already paid for, can be saved with `save` and given to a server with
-SPECSERVE_GEMV_CHOICES=FILE. Decisions hold for the GPU they were made on, so a file names its GPU and
-`load` refuses another's. A decision is keyed by weight shape, dtype, row bucket and call form only: it holds
-for every call of that bucket (a 4-row decision made for the chain's verify also serves plain decode at 3 or 4
-rows), and it was made under the chooser's settings of the run that saved it (launch trigger, candidate
-tiles, cuBLAS margin), which the file does not record. This module needs no Triton, so its file format is
-tested on any machine.
+The chooser (tuning/chooser.py) decides each weight shape's tile by timing it alone in a CUDA graph. A
+decision made another way, such as by the verify step's own time (benchmarks/gemv_decisions.py), or simply one
+a start already paid for, can be saved with `save` and given to a server with SPECSERVE_GEMV_CHOICES=FILE.
+Decisions hold for the GPU they were made on, so a file names its GPU and `load` refuses another's. A decision
+is keyed by weight shape, dtype, row bucket and call form only: it holds for every call of that bucket (a 4-row
+decision made for the chain's verify also serves plain decode at 3 or 4 rows), and it was made under the
+chooser's settings of the run that saved it (candidate tiles, cuBLAS margin, the norm and fp8 switches), which
+the file does not record. This module needs no Triton, so its file format is tested on any machine.
 
-Decisions measured here for a GPU ship with the package (`gemv_decisions/`, one file per GPU name), the way
+Decisions measured here for a GPU ship with the package (`decisions/`, one file per GPU name), the way
 SGLang and vLLM ship tuned kernel configs per device: a server on that GPU takes them unless told otherwise.
 """
 from __future__ import annotations
@@ -29,12 +28,12 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
-    swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton_gemv._product)
-    tma: bool = False  # with swap: the weight tiles come by TMA (see triton_gemv.TMA_TILES)
-    split_k: int = 1  # several rows: programs per output tile, each over a slice of K (see triton_gemv.SPLIT_TILES)
+    swap: bool = False  # several rows: the weight tile is the dot's left operand (see triton/gemv._product)
+    tma: bool = False  # with swap: the weight tiles come by TMA (see triton/gemv._gemv_tma_kernel)
+    split_k: int = 1  # several rows: programs per output tile, each over a slice of K (see chooser.SPLIT_ROWS_TILES)
 
 
-SHIPPED_DIR = Path(__file__).parent / "gemv_decisions"
+SHIPPED_DIR = Path(__file__).parent / "decisions"
 
 
 def shipped(device: str) -> Path | None:
