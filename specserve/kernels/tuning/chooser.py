@@ -53,7 +53,7 @@ SPLIT_ROWS_TILES = [replace(t, split_k=s) for t in (Tile(32, 256, 4, 4), Tile(64
 SPLIT_TMA_TILES = [replace(t, split_k=s) for t in (TMA_TILES[0], TMA_TILES[2], TMA_TILES[4]) for s in (2, 4)]
 # Swapped tiles are not timed for forms that scale x by a folded norm's weight: timed alone they won at 2-16
 # rows, yet a 4-row chain verify was slower with them than with those norms as kernels of their own and swapped
-# tiles elsewhere (benchmarks/verify_gemv_choices.py, which sets this to keep timing them). Folds whose norm
+# tiles elsewhere, timed by the step's own time (set this to keep timing them). Folds whose norm
 # weight is in the projection's (SPECSERVE_NORM_IN_WEIGHTS) leave x as loaded, and they are timed there.
 SWAP_IN_FOLDS = False
 
