@@ -21,6 +21,7 @@ from specserve.kv.pages import PageAllocator
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
 from specserve.layers.attention import decode_kernel_takes
 from specserve.models.loader import build_model
+from specserve.models.registry import model_config
 from specserve.speculative import registry as speculative_registry
 from specserve.speculative.plan import AdaptivePlan
 
@@ -67,7 +68,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     config_file = path if path.is_file() else path / "config.json"
-    model_cfg = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    model_cfg = model_config(json.loads(config_file.read_text()))
     model_dir = config_file.parent
     has_tokenizer = (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()
     weights_dir = None if config.load_format == "dummy" else model_dir
@@ -122,10 +123,6 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     scratch = algorithm.target_scratch_slots(config, device, max_bs) if algorithm else 0
     num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device) - scratch * per_token)
     use_graphs = device.type == "cuda" and not config.disable_cuda_graph
-    if use_graphs:
-        from specserve.kernels.pointwise import use_gpu_kernels
-
-        use_gpu_kernels()
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
     pad_page = use_graphs or (algorithm is not None and algorithm.needs_pad_page(config, device))
     kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + scratch, dtype, device)
@@ -149,13 +146,14 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     graphs, untimed_gemv = None, contextlib.nullcontext
     if use_graphs:
         from specserve.engine.graphs import DecodeGraphs
-        from specserve.kernels.triton import gemv as triton_gemv
+        from specserve.kernels.tuning import chooser
+        from specserve.layers.linear import decide_gemv_tiles
 
         with torch.inference_mode():
             for network in (model, draft):
                 if network is not None:
-                    triton_gemv.decide_all(network)
-        untimed_gemv = triton_gemv.choice.untimed
+                    decide_gemv_tiles(network)
+        untimed_gemv = chooser.choice.untimed
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
         graphs = DecodeGraphs(model, kv_cache, num_slots, max_bs, max_model_len, page_size, progress, proposer,

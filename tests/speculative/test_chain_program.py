@@ -75,7 +75,7 @@ def test_sampled_requests_without_a_seed_take_the_chain_program(tmp_path, tiny_c
     reference = hf_greedy(path, prompts, max_tokens=24)
     assert all(len(out) == 24 for out in outputs)
     assert [out == ref for out, ref in zip(outputs, reference)] == [True, True, False] * 2
-    assert engine.runner.spec_graphs.num_runs > 5 and general and not any(general)
+    assert engine.runner.program.num_runs > 5 and general and not any(general)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
     general.clear()
@@ -87,11 +87,11 @@ def test_sampled_requests_without_a_seed_take_the_chain_program(tmp_path, tiny_c
 
 def _generate(llm: LLM, prompts, params, chain: bool):
     runner = llm.engine.runner
-    saved, runner.spec_graphs = runner.spec_graphs, runner.spec_graphs if chain else None
+    saved, runner.program = runner.program, runner.program if chain else None
     try:
         outs = llm.generate(prompts, params)
     finally:
-        runner.spec_graphs = saved
+        runner.program = saved
     return [(o.token_ids, o.num_spec_steps, o.num_accepted_tokens) for o in outs]
 
 
@@ -103,10 +103,10 @@ def test_chain_program_drafts_what_the_tree_search_drafts(smollm2_dir):
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in
                ("Name three planets.", "Write a haiku about rain.", "What is 12 times 7?")]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    chain = llm.engine.runner.spec_graphs
+    chain = llm.engine.runner.program
     runs_before, short = chain.num_runs, []
     run = chain.launch
-    chain.launch = lambda batch: short.append(min(s.num_draft_tokens for s in batch.seqs) < 3) or run(batch)
+    chain.launch = lambda batch, timer: short.append(min(s.num_draft_tokens for s in batch.seqs) < 3) or run(batch, timer)
     fast = _generate(llm, prompts, params, chain=True)
     chain.launch = run
     assert chain.num_runs - runs_before > 10
@@ -127,7 +127,7 @@ def test_chain_program_is_lossless_under_preemption(tmp_path, tiny_checkpoint):
     engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts)
-    assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
+    assert engine.runner.program.num_runs > 10 and engine.scheduler.num_preemptions > 0
     assert outputs == hf_greedy(path, prompts)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
@@ -139,12 +139,12 @@ def test_simulated_acceptance_is_the_same_on_both_paths(tmp_path, tiny_checkpoin
     for chain in (True, False):
         engine, _ = _random_head_engine(tmp_path, tiny_checkpoint, simulate_accept_len=2.5)
         if not chain:
-            engine.runner.spec_graphs = None
+            engine.runner.program = None
         accepted = count_accepted(engine)
         outputs, _ = run_staggered(engine, prompts)
-        assert (engine.runner.spec_graphs is None) != chain
+        assert (engine.runner.program is None) != chain
         if chain:
-            assert engine.runner.spec_graphs.num_runs > 3
+            assert engine.runner.program.num_runs > 3
         runs.append((outputs, accepted))
     assert runs[0] == runs[1]
     mean = 1 + sum(runs[0][1]) / len(runs[0][1])
@@ -162,7 +162,7 @@ def test_every_drafting_step_is_one_program_while_requests_arrive(tmp_path, tiny
     general, _ = watch_drafting_paths(engine)
     prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts)
-    assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
+    assert engine.runner.program.num_runs > 10 and engine.scheduler.num_preemptions > 0
     assert general and not any(general)
     assert outputs == hf_greedy(path, prompts)
 
@@ -191,7 +191,7 @@ def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_pat
     engine.overlap = overlap
     engine.scheduler.draft_gate = _shut_six_open_six()
     general, backlogs = watch_drafting_paths(engine)
-    program = engine.runner.spec_graphs
+    program = engine.runner.program
     prompts = make_prompts(512, seed=4)
     outputs, _ = run_staggered(engine, prompts, max_tokens=40)
     assert program.num_runs > 10 and len(backlogs) > 2
@@ -225,9 +225,10 @@ def test_the_backlog_pass_as_decode_rows_writes_what_a_prefill_chunk_writes(tmp_
     the prefill chunk the CPU uses write the same head KV. Run here with the page-table form served by the
     PyTorch statement of the decode kernel's contract, so the rows, slots and tables it builds are checked
     without a GPU."""
-    from specserve.speculative.programs import chain as chain_graphs
     from specserve.layers.attention import AttentionMetadata
-    from specserve.speculative.drafters.base import _catch_up_meta, eagle3_catch_up
+    from specserve.speculative.programs import base as program_base
+    from specserve.speculative.drafters.base import catch_up_meta
+    from specserve.speculative.drafters.eagle3 import eagle3_catch_up
 
     engine, _ = _random_head_engine(tmp_path, tiny_checkpoint)
     gate = {"open": False}
@@ -241,7 +242,7 @@ def test_the_backlog_pass_as_decode_rows_writes_what_a_prefill_chunk_writes(tmp_
     engine._read_back()
     gate["open"] = True
     batch = engine.scheduler.schedule()
-    program, drafter = engine.runner.spec_graphs, engine.runner.proposer.drafter
+    program, drafter = engine.runner.program, engine.runner.proposer.drafter
     w = program.width
     behind = [replace(s, draft_catchup_ids=s.draft_catchup_ids[:-w]) for s in batch.seqs]
     assert len(behind) == 3 and min(len(s.draft_catchup_ids) for s in behind) > 10  # ~20 generated tokens each
@@ -249,13 +250,13 @@ def test_the_backlog_pass_as_decode_rows_writes_what_a_prefill_chunk_writes(tmp_
     def page_table_form(positions, slots, tables, page_size, kv_heads, max_context=None):
         return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
                                  page_size=page_size)
-    monkeypatch.setattr(chain_graphs, "decode_rows_meta", page_table_form)
+    monkeypatch.setattr(program_base, "decode_rows_meta", page_table_form)
     before = drafter.kv_cache.clone()
     rows_out = program._extend_head(behind)
     as_rows = drafter.kv_cache.clone()
     drafter.kv_cache.copy_(before)
     # The prefill chunk, as drafter.catch_up runs it, keeping every row's output (it returns the last ones).
-    ids, positions, meta, _ = _catch_up_meta([eagle3_catch_up(s) for s in behind], behind, batch.page_size,
+    ids, positions, meta, _ = catch_up_meta([eagle3_catch_up(s) for s in behind], behind, batch.page_size,
                                              drafter.kv_cache.device)
     chunk_out = drafter.head(drafter.embed(ids), drafter.taps[meta.slot_mapping], positions, meta, drafter.kv_cache)
     torch.testing.assert_close(rows_out, chunk_out, atol=1e-4, rtol=1e-4)  # attention read the right contexts
@@ -306,9 +307,9 @@ def test_overlapped_drafting_steps_draft_what_synchronous_steps_draft(smollm2_di
     device derives, accept per request exactly what steps scheduled from exact state accept. A wrong catch-up
     would draft other tokens (the output would stay the target's: only the acceptance shows it)."""
     from specserve import draft_heads
-    from specserve.engine import factory
+    from specserve.speculative.drafters import eagle3
 
-    monkeypatch.setattr(factory, "TREE_PROGRAM_ON_CPU", True)
+    monkeypatch.setattr(eagle3, "TREE_PROGRAM_ON_CPU", True)
     spec = SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3, topk, 8 if topk > 1 else None)
     llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=spec)
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in

@@ -1,7 +1,6 @@
 """The standalone draft model drafter: a smaller causal LM with the target's tokenizer."""
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 from specserve.config import EngineConfig, ModelConfig
 from specserve.core import ScheduledSeq
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token
+from specserve.models.loader import build_model, read_model_config
 from specserve.speculative.base import Speculator
 from specserve.speculative.drafters.base import catch_up_meta, split_catch_up
 from specserve.speculative.search import TreeProposer, scratch_slots
@@ -62,12 +62,10 @@ class DraftModel:
 
     def load(self, config: EngineConfig, target_cfg: ModelConfig, dtype, device, max_model_len: int,
              progress: bool) -> torch.nn.Module:
-        from specserve.models.loader import build_model
-
         path = Path(config.spec.draft_model_path).expanduser()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in the draft model path {path}")
-        draft_cfg = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+        draft_cfg = read_model_config(path)
         if draft_cfg.vocab_size > target_cfg.vocab_size:
             raise ValueError("the draft model's vocabulary is larger than the target's: not the same tokenizer")
         return build_model(draft_cfg, path, dtype, device, max_model_len, config.random_seed, progress)

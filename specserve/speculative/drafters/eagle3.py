@@ -9,6 +9,7 @@ import torch
 from specserve.config import EngineConfig, ModelConfig
 from specserve.core import ScheduledSeq
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token
+from specserve.models.loader import load_eagle3_head
 from specserve.speculative.base import Speculator
 from specserve.speculative.drafters.base import catch_up_meta, split_catch_up
 from specserve.speculative.search import TreeProposer, scratch_slots
@@ -85,8 +86,6 @@ class Eagle3:
 
     def load(self, config: EngineConfig, target_cfg: ModelConfig, dtype, device, max_model_len: int,
              progress: bool) -> torch.nn.Module:
-        from specserve.models.loader import load_eagle3_head
-
         spec = config.spec
         path = None if spec.draft_model_path is None else Path(spec.draft_model_path).expanduser()
         if path is not None and not (path / "config.json").exists():

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specserve import envs
 from specserve.core import SamplingParams, StepBatch
 from specserve.graph_shapes import batch_buckets, context_buckets
 from specserve.layers.attention import AttentionMetadata
@@ -252,12 +253,11 @@ class SpecGraphs:
         that step's new ones); the new root is the one after them, and its token is that step's last.
         Rows with follow = -1 keep the inputs the host wrote. On a GPU one kernel writes the same
         (kernels/triton/follow.py)."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and envs.get().fused_follow:
             from specserve.kernels.triton import follow as triton_follow
 
-            if triton_follow.ENABLED:
-                triton_follow.follow_rows(self, bs, self.tables[n][:bs])
-                return
+            triton_follow.follow_rows(self, bs, self.tables[n][:bs])
+            return
         w, ps = self.width, self.page_size
         src = self.follow[:bs].clamp(min=0)
         on = self.follow[:bs, None] >= 0

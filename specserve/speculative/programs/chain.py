@@ -13,9 +13,10 @@ fixed shapes, so a whole step fits in one program, with one read-back at the end
 
 Every row attends through its sequence's page table, so the paged decode kernel serves all three forwards: on a
 GPU a sequence's catch-up rows and verified rows as one run over the context before them, each then seeing the
-step's rows up to itself as its tail (SHARED_CONTEXT); otherwise, and the draft levels, each row like a decode
-row, up to and including itself. The head's draft nodes take their KV at their own positions in the mirrored
-pages, not in scratch slots: the next catch-up rewrites every position a later query can see.
+step's rows up to itself as its tail (unless SPECSERVE_CHAIN_SHARED_CONTEXT=0); otherwise, and the draft
+levels, each row like a decode row, up to and including itself. The head's draft nodes take their KV at their
+own positions in the mirrored pages, not in scratch slots: the next catch-up rewrites every position a later
+query can see.
 
 Greedy requests, and sampled requests without a seed (a seeded request draws from its own generator in the
 general path, so that its output does not depend on what shares its batches). Steps with sampled rows run the
@@ -24,25 +25,16 @@ costs no sync. On a CPU the same program runs eagerly with the reference attenti
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from specserve import envs
 from specserve.core import SamplingParams
 from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.sampler import argmax, filtered_probs
 from specserve.speculative.accept import accept_chain, accept_chain_sampled
 from specserve.speculative.programs.base import SpecGraphs, decode_rows_meta, page_slots, put_where, table_slots
 from specserve.transfer import tensor_on
-
-
-# On a GPU, a sequence's catch-up rows and verified rows attend as one run over the context before the step (read
-# once for all of them), each row then seeing the step's rows up to itself as its tail, as a tree's verified nodes
-# do; otherwise each row attends like a decode row, reading the context itself. On the H200 a batch-1 chain step
-# took 4.756 ms with this against 4.806 (benchmarks/spec_step_parts.py). SPECSERVE_CHAIN_SHARED_CONTEXT=0 is the
-# A/B switch.
-SHARED_CONTEXT = os.environ.get("SPECSERVE_CHAIN_SHARED_CONTEXT", "1") == "1"
 
 
 class ChainGraphs(SpecGraphs):
@@ -124,10 +116,7 @@ class ChainGraphs(SpecGraphs):
         """Attention metadata of the three forwards, from the uploaded buffers (static tensors, for capture); also
         puts each root in the verify's ids, before the drafts."""
         if self.device.type == "cuda":
-            from specserve.kernels.triton import follow as triton_follow
-
-            if triton_follow.ROWS_ENABLED:
-                return self._row_inputs(bs, n)
+            return self._row_inputs(bs, n)
         self.verify_ids[:bs, 0] = self.root_ids[:bs]
         table = self.tables[n][:bs]
         row_table = table.repeat_interleave(self.width, dim=0)
@@ -137,8 +126,6 @@ class ChainGraphs(SpecGraphs):
             return decode_rows_meta(positions, slots, tables_, self.page_size, kv_heads, n)
 
         def rows(slots, positions, kv_heads):
-            if SHARED_CONTEXT and table.is_cuda:
-                return self._shared_context_meta(slots, positions, row_table, kv_heads, n)
             return meta(slots.view(-1), positions.view(-1), row_table, kv_heads)
         return {
             "catch": rows(self.catch_slots[:bs], self.catch_pos[:bs], head_kv),
@@ -149,17 +136,20 @@ class ChainGraphs(SpecGraphs):
 
     def _row_inputs(self, bs: int, n: int) -> dict[str, AttentionMetadata | list]:
         """`_metas` on a GPU: one kernel writes every length, tail and row table, and the roots into the verify's
-        ids (kernels/triton/follow.py)."""
+        ids (kernels/triton/follow.py). A sequence's catch-up rows and verified rows attend as one run over the
+        context before the step (read once for all of them), each row then seeing the step's rows up to itself as
+        its tail, as a tree's verified nodes do (SPECSERVE_CHAIN_SHARED_CONTEXT)."""
         from specserve.kernels.triton import follow as triton_follow
 
-        triton_follow.chain_rows(self, bs, n, SHARED_CONTEXT)
+        shared = envs.get().chain_shared_context
+        triton_follow.chain_rows(self, bs, n, shared)
         rows = bs * self.width
         row_table, table = self.row_tables[n][:rows], self.tables[n][:bs]
         head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
 
         def meta(name, slots, kv_heads):
             tails = dict(tail_slots=self.row_tails[name][:rows], tail_lens=self.tail_lens[:rows],
-                         rows_per_seq=self.width) if SHARED_CONTEXT else {}
+                         rows_per_seq=self.width) if shared else {}
             return AttentionMetadata.for_decode_kernel(slots[:bs].view(-1), row_table, self.row_lens[name][:rows],
                                                        self.page_size, kv_heads, n, **tails)
         return {
@@ -186,8 +176,6 @@ class ChainGraphs(SpecGraphs):
             return super()._forward_packed(bs, n, metas, forced, params)
         from specserve.kernels.triton import accept as triton_accept
 
-        if not triton_accept.ENABLED:
-            return super()._forward_packed(bs, n, metas, forced, params)
         drafts = self._draft(bs, metas)
         best = argmax(self._verify_logits(bs, metas["verify"]))
         return triton_accept.accept_and_pack(drafts, best, forced, self.limit[:bs], self._roots(bs), self.last_packed,

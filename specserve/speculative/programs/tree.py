@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specserve import envs
 from specserve.speculative.accept import accept_tree_sampled
 from specserve.speculative.programs.base import SpecGraphs, page_slots, put_where, table_slots
 from specserve.layers.attention import AttentionMetadata
@@ -42,11 +43,10 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     """(log-probabilities [rows, k] in fp32, token ids [rows, k]) of each row's k best, best first. On a GPU
     (unless SPECSERVE_FUSED_TOPK=0), two Triton kernels do it (kernels/triton/topk.py): the same values, ties
     ranked to the lower token id, where torch.topk leaves their order open."""
-    if logits.is_cuda:
+    if logits.is_cuda and envs.get().fused_topk:
         from specserve.kernels.triton import topk as triton_topk  # Triton: GPU machines only
 
-        if triton_topk.ENABLED:
-            return triton_topk.fused_log_softmax_topk(logits, k)
+        return triton_topk.fused_log_softmax_topk(logits, k)
     top = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
     return top.values, top.indices
 
@@ -60,7 +60,7 @@ def candidate_depths(topk: int, depth: int) -> torch.Tensor:
 def _fused_search_enabled(num_candidates: int) -> bool:
     from specserve.kernels.triton import tree as triton_tree  # Triton: GPU machines only
 
-    return triton_tree.ENABLED and num_candidates <= triton_tree.MAX_CANDIDATES
+    return envs.get().fused_search and num_candidates <= triton_tree.MAX_CANDIDATES
 
 
 def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
