@@ -92,7 +92,7 @@ class Request:
     num_spec_steps: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
-    # For the adaptive draft plan (spec/plan.py): drafting steps since this request last drafted.
+    # For the adaptive draft plan (speculative/plan.py): drafting steps since this request last drafted.
     steps_since_drafting: int = 0
 
     def __post_init__(self) -> None:

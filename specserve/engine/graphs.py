@@ -124,7 +124,7 @@ class DecodeGraphs:
         # during capture, where an undecided shape takes cuBLAS) and the attention kernels of each context
         # bucket. Triton variants of other batch sizes (the slice count depends on both) compile during
         # capture, which Triton allows: compiling launches no device work.
-        from specserve.kernels.triton.gemv import ROW_BUCKETS
+        from specserve.kernels.tuning.chooser import ROW_BUCKETS
 
         warm_shapes = {(1, n) for n in self.context_lens}
         warm_shapes |= {(min(rows, self.max_bs), self.context_lens[0]) for rows in ROW_BUCKETS}

@@ -27,13 +27,13 @@ def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None, out: torch
            ) -> torch.Tensor:
     """The greedy token of each row: argmax over the last dimension, plus offsets[argmax] where `offsets` is
     given (an EAGLE-3 head's draft-to-target id map); written into `out` where given (int64: one dimension with
-    any stride, or contiguous). On a GPU two small Triton kernels (layers/triton_argmax.py) take the place of
+    any stride, or contiguous). On a GPU two small Triton kernels (kernels/triton/argmax.py) take the place of
     torch.argmax, which spends tens of microseconds on a few rows of a large vocabulary, and add the offsets too;
-    the graphs of decode and speculative steps use it (SPECSERVE_FUSED_ARGMAX=0 is the A/B switch)."""
+    the graphs of decode and speculative steps use it."""
     if logits.is_cuda:
-        from specserve.kernels.triton import argmax as triton_argmax# Triton: GPU machines only
+        from specserve.kernels.triton import argmax as triton_argmax  # Triton: GPU machines only
 
-        if triton_argmax.ENABLED and triton_argmax.supports(logits):
+        if triton_argmax.supports(logits):
             return triton_argmax.argmax(logits, offsets, out)
     best = logits.argmax(dim=-1)
     best = best if offsets is None else best + offsets[best]

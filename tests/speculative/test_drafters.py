@@ -27,7 +27,7 @@ def _recorded_trees(target, spec: SpecConfig, seed: int = 0):
     engine, _ = build_engine_core(replace(tight_config(str(target), 136), spec=spec), progress=False)
     proposer = engine.runner.proposer
     # Chains would otherwise run as one program (tested against this path in test_chain_program.py).
-    engine.runner.spec_graphs = None
+    engine.runner.program = None
     rng = random.Random(seed)
     engine.scheduler.draft_plan = lambda request: rng.choice([0, 0, 3, spec.max_drafts])
     records, propose = [], proposer.propose

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve.config import SpecConfig
-from specserve.engine import factory
+from specserve.speculative.drafters import eagle3
 from specserve.engine.factory import build_engine_core
 from specserve.speculative.programs.tree import TreeGraphs, accept_tree_sampled
 from specserve.layers.attention import AttentionMetadata, attend_rows
@@ -25,12 +25,12 @@ TREE = dict(num_steps=4, eagle_topk=3, num_draft_tokens=9)
 
 
 def _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, **spec):
-    monkeypatch.setattr(factory, "TREE_PROGRAM_ON_CPU", True)
+    monkeypatch.setattr(eagle3, "TREE_PROGRAM_ON_CPU", True)
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     config = replace(tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), **{**TREE, **spec}))
     engine, _ = build_engine_core(config, progress=False)
-    assert isinstance(engine.runner.spec_graphs, TreeGraphs)
+    assert isinstance(engine.runner.program, TreeGraphs)
     return engine, path
 
 
@@ -42,11 +42,11 @@ def test_tree_program_is_lossless_and_accepts_what_the_search_accepts(tmp_path, 
     for program in (True, False):
         engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
         if not program:
-            engine.runner.spec_graphs = None
+            engine.runner.program = None
         accepted = count_accepted(engine)
         outputs, _ = run_staggered(engine, prompts)
         if program:
-            assert engine.runner.spec_graphs.num_runs > 10 and engine.scheduler.num_preemptions > 0
+            assert engine.runner.program.num_runs > 10 and engine.scheduler.num_preemptions > 0
         alloc = engine.scheduler.allocator
         assert alloc.num_free == alloc.num_pages
         runs.append((outputs, accepted))
@@ -158,7 +158,7 @@ def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_ch
     outputs = run_mixed_sampling(engine, prompts)
     reference = hf_greedy(path, prompts, max_tokens=24)
     assert [out == ref for out, ref in zip(outputs, reference)] == [True, True, False] * 2
-    assert engine.runner.spec_graphs.num_runs > 5 and general and not any(general)
+    assert engine.runner.program.num_runs > 5 and general and not any(general)
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
 
@@ -169,7 +169,7 @@ def test_tree_program_simulates_acceptance_like_the_search(tmp_path, tiny_checkp
     for program in (True, False):
         engine, _ = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, simulate_accept_len=2.5)
         if not program:
-            engine.runner.spec_graphs = None
+            engine.runner.program = None
         accepted = count_accepted(engine)
         outputs, _ = run_staggered(engine, prompts)
         runs.append((outputs, accepted))
