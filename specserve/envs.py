@@ -63,6 +63,9 @@ class Switches:
     closed_tails: bool = _switch(
         True, "A verified tree's tails attended as one block, each row masked to its own path. Off: each "
               "row's tail apart.")
+    tree_program_on_cpu: bool = _switch(
+        False, "Run EAGLE-3 tree steps as the tree program on a CPU too, as on a GPU. Off: the general search, "
+               "which is faster where a read-back costs nothing.")
     chain_shared_context: bool = _switch(
         True, "On a GPU, a chain step's catch-up and verified rows of a sequence attend as one run over the "
               "context before them. Off: each row on its own, like a decode row.")

@@ -174,8 +174,8 @@ from specserve.config import SpecConfig
 from specserve.kernels.triton import follow as triton_follow, tree as triton_tree
 from specserve.engine.factory import build_engine_core
 triton_tree.range = triton_follow.range = interpreter_range
-from specserve.speculative.drafters import eagle3
-eagle3.TREE_PROGRAM_ON_CPU = True
+from specserve import envs
+envs.override(tree_program_on_cpu=True).__enter__()
 from pathlib import Path
 path, head = Path({path!r}), Path({head!r})
 write_peaked_random_head(path, head)

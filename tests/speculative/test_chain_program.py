@@ -177,8 +177,8 @@ def _shut_six_open_six():
 
 
 @pytest.mark.parametrize("shape,overlap", [("chain", False), ("chain", True), ("tree", True)])
-def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_path, tiny_checkpoint, monkeypatch,
-                                                                          shape, overlap):
+def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_path, tiny_checkpoint, shape,
+                                                                          overlap, switches):
     """While the draft plan keeps steps from drafting, the head does not follow the decoders; the first step
     that drafts again finds it more tokens behind than the program's catch-up rows. The head catches up on
     the backlog first, so that step is still the program (never the general search), and output stays HF's."""
@@ -187,7 +187,7 @@ def test_a_head_left_behind_by_a_shut_gate_catches_up_before_the_program(tmp_pat
     if shape == "chain":
         engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     else:
-        engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
+        engine, path = _tree_engine(tmp_path, tiny_checkpoint, switches)
     engine.overlap = overlap
     engine.scheduler.draft_gate = _shut_six_open_six()
     general, backlogs = watch_drafting_paths(engine)
@@ -279,8 +279,8 @@ def _count_following(engine) -> list[int]:
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_overlapped_drafting_steps_follow_each_other_and_stay_lossless(tmp_path, tiny_checkpoint, monkeypatch,
-                                                                       shape):
+def test_overlapped_drafting_steps_follow_each_other_and_stay_lossless(tmp_path, tiny_checkpoint, shape,
+                                                                       switches):
     """With overlap, a drafting step is launched before the one in flight is read back, its inputs derived
     on the device from that step's results. Staggered arrivals (which make the next step wait for the one in
     flight), preemption, and requests finishing while a step that includes them is in flight: the output is
@@ -290,7 +290,7 @@ def test_overlapped_drafting_steps_follow_each_other_and_stay_lossless(tmp_path,
     if shape == "chain":
         engine, path = _random_head_engine(tmp_path, tiny_checkpoint)
     else:
-        engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
+        engine, path = _tree_engine(tmp_path, tiny_checkpoint, switches)
     engine.overlap = True
     following = _count_following(engine)
     prompts = make_prompts(512, seed=4)
@@ -302,14 +302,13 @@ def test_overlapped_drafting_steps_follow_each_other_and_stay_lossless(tmp_path,
 
 
 @pytest.mark.parametrize("topk", [1, 4])
-def test_overlapped_drafting_steps_draft_what_synchronous_steps_draft(smollm2_dir, monkeypatch, topk):
+def test_overlapped_drafting_steps_draft_what_synchronous_steps_draft(smollm2_dir, switches, topk):
     """The bundled head on SmolLM2 (it accepts often): following steps, whose catch-up, root and slots the
     device derives, accept per request exactly what steps scheduled from exact state accept. A wrong catch-up
     would draft other tokens (the output would stay the target's: only the acceptance shows it)."""
     from specserve import draft_heads
-    from specserve.speculative.drafters import eagle3
 
-    monkeypatch.setattr(eagle3, "TREE_PROGRAM_ON_CPU", True)
+    switches(tree_program_on_cpu=True)
     spec = SpecConfig("EAGLE3", str(draft_heads.SMOLLM2_HEAD), 3, topk, 8 if topk > 1 else None)
     llm = LLM(model=str(smollm2_dir), max_total_tokens=4096, spec=spec)
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specserve.config import SpecConfig
-from specserve.speculative.drafters import eagle3
 from specserve.engine.factory import build_engine_core
-from specserve.speculative.programs.tree import TreeGraphs, accept_tree_sampled
+from specserve.speculative.accept import accept_tree_sampled
+from specserve.speculative.programs.tree import TreeGraphs
 from specserve.layers.attention import AttentionMetadata, attend_rows
 from specserve.speculative.simulate import best_path
 from specserve.speculative.tree import DraftTree
@@ -24,8 +24,8 @@ from tiny_checkpoints import write_peaked_random_head
 TREE = dict(num_steps=4, eagle_topk=3, num_draft_tokens=9)
 
 
-def _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, **spec):
-    monkeypatch.setattr(eagle3, "TREE_PROGRAM_ON_CPU", True)
+def _tree_engine(tmp_path, tiny_checkpoint, switches, **spec):
+    switches(tree_program_on_cpu=True)
     path = tiny_checkpoint("llama", True)
     write_peaked_random_head(path, tmp_path)
     config = replace(tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), **{**TREE, **spec}))
@@ -34,13 +34,13 @@ def _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, **spec):
     return engine, path
 
 
-def test_tree_program_is_lossless_and_accepts_what_the_search_accepts(tmp_path, tiny_checkpoint, monkeypatch):
+def test_tree_program_is_lossless_and_accepts_what_the_search_accepts(tmp_path, tiny_checkpoint, switches):
     """Staggered arrivals with preemption: the program's output is HF's, and every step accepts as many
     drafts as the general search's tree does (so both built the same trees, up to what verification sees)."""
     prompts = make_prompts(512, seed=4)
     runs = []
     for program in (True, False):
-        engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
+        engine, path = _tree_engine(tmp_path, tiny_checkpoint, switches)
         if not program:
             engine.runner.program = None
         accepted = count_accepted(engine)
@@ -148,11 +148,11 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution():
     assert_drawn_from([e[1] for e in out if e[0] == 10], probs[1])
 
 
-def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_checkpoint, monkeypatch):
+def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_checkpoint, switches):
     """Greedy, top-k 1 and fully sampled rows in one batch, all through the program (the general search never
     drafts): the greedy and top-k 1 rows equal HF's greedy output, the fully sampled rows do not, and every
     page comes back."""
-    engine, path = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch)
+    engine, path = _tree_engine(tmp_path, tiny_checkpoint, switches)
     general, _ = watch_drafting_paths(engine)
     prompts = make_prompts(512, seed=4)[:6]
     outputs = run_mixed_sampling(engine, prompts)
@@ -163,11 +163,11 @@ def test_sampled_requests_without_a_seed_take_the_tree_program(tmp_path, tiny_ch
     assert alloc.num_free == alloc.num_pages
 
 
-def test_tree_program_simulates_acceptance_like_the_search(tmp_path, tiny_checkpoint, monkeypatch):
+def test_tree_program_simulates_acceptance_like_the_search(tmp_path, tiny_checkpoint, switches):
     prompts = make_prompts(512, seed=2)
     runs = []
     for program in (True, False):
-        engine, _ = _tree_engine(tmp_path, tiny_checkpoint, monkeypatch, simulate_accept_len=2.5)
+        engine, _ = _tree_engine(tmp_path, tiny_checkpoint, switches, simulate_accept_len=2.5)
         if not program:
             engine.runner.program = None
         accepted = count_accepted(engine)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from specserve import envs
 from specserve.config import EngineConfig, ModelConfig
 from specserve.core import ScheduledSeq
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token
@@ -20,9 +21,6 @@ from specserve.speculative.search import TreeProposer, scratch_slots
 # never reach the depths trees are built for. Costs do not change.
 RANDOM_HEAD_VOCAB = 32000
 RANDOM_HEAD_LOGIT_STD = 10.0
-# Tree steps as one program on a CPU too (tests check the program there; serving keeps the general search,
-# which is faster on a CPU, where a read-back costs nothing).
-TREE_PROGRAM_ON_CPU = False
 
 
 def eagle3_catch_up(seq: ScheduledSeq) -> tuple[list[int], int]:
@@ -147,4 +145,4 @@ class Eagle3:
 
     @staticmethod
     def _tree_program(config: EngineConfig, device: torch.device) -> bool:
-        return config.spec.eagle_topk > 1 and (device.type == "cuda" or TREE_PROGRAM_ON_CPU)
+        return config.spec.eagle_topk > 1 and (device.type == "cuda" or envs.get().tree_program_on_cpu)
