@@ -7,7 +7,6 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
 
 ROOT = "specserve"
 PACKAGE = Path(__file__).resolve().parents[1] / ROOT
@@ -30,10 +29,6 @@ LAYERS = (
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 # Left while the GEMV kernels still reach up into layers: specserve.kernels.triton.gemv imports
 # specserve.layers.linear (at module level and in two functions), which imports the kernels back.
-KERNELS_IMPORT_LAYERS = pytest.mark.xfail(
-    strict=False, reason="specserve.kernels.triton.gemv imports specserve.layers.linear")
-
-
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -115,14 +110,12 @@ def test_the_root_package_eagerly_imports_only_the_bottom_layer():
     assert not above, f"{ROOT}/__init__.py imports these at module level: {above}"
 
 
-@KERNELS_IMPORT_LAYERS
 def test_no_subpackage_imports_one_above_it():
     upward = [f"{src} -> {dst}: {site}" for (src, dst), sites in sorted(edges().items())
               if RANK.get(dst, 0) > RANK.get(src, 0) for site in sites]
     assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
 
 
-@KERNELS_IMPORT_LAYERS
 def test_subpackages_import_each_other_without_cycles():
     graph = edges()
     cycles = _cycles({src for src, _ in graph} | {dst for _, dst in graph}, graph)
