@@ -175,7 +175,8 @@ from specserve.kernels.triton import follow as triton_follow, tree as triton_tre
 from specserve.engine.factory import build_engine_core
 triton_tree.range = triton_follow.range = interpreter_range
 from specserve import envs
-envs.override(tree_program_on_cpu=True).__enter__()
+tree_on_cpu = envs.override(tree_program_on_cpu=True)  # kept: the switch holds while it lives
+tree_on_cpu.__enter__()
 from pathlib import Path
 path, head = Path({path!r}), Path({head!r})
 write_peaked_random_head(path, head)
