@@ -120,7 +120,7 @@ class SpecConfig:
     up to num_draft_tokens - 1 tokens. With topk = 1 (a chain) it is num_steps + 1.
     """
 
-    algorithm: str | None = None  # None | "EAGLE3" | "DRAFT_MODEL"
+    algorithm: str | None = None  # None, or a name in speculative/registry.py: "EAGLE3", "DRAFT_MODEL"
     # EAGLE3: a head in the public EAGLE-3 format (None: random, only with --load-format dummy).
     # DRAFT_MODEL: a smaller causal LM with the target's tokenizer.
     draft_model_path: str | None = None
@@ -141,8 +141,6 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.simulate_accept_len is not None and (self.algorithm is None or self.simulate_accept_len < 1):
             raise ValueError("--speculative-simulate-accept-len needs a speculative algorithm and a value >= 1")
-        if self.algorithm not in (None, "EAGLE3", "DRAFT_MODEL"):
-            raise ValueError(f"unsupported speculative algorithm {self.algorithm!r}")
         if self.draft_model_quantization not in (None, "fp8"):
             raise ValueError(f"unsupported draft model quantization {self.draft_model_quantization!r} (fp8 or none)")
         if self.draft_model_quantization and self.algorithm != "EAGLE3":

@@ -114,8 +114,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     dtype = pick_dtype(config, model_cfg, device)
     max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)
-    model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
     algorithm = speculative_registry.algorithm(config.spec.algorithm) if config.spec.algorithm else None
+    model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
     draft = algorithm.load(config, model_cfg, dtype, device, max_model_len, progress) if algorithm else None
     page_size = config.cache.page_size
     per_token = kv_bytes_per_token(model_cfg, dtype) + (algorithm.bytes_per_token(draft, dtype) if draft else 0)

@@ -16,11 +16,13 @@ with the proposer. Neither calls back into the runner.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from specserve.config import EngineConfig, ModelConfig
 from specserve.core import StepBatch
 from specserve.speculative.tree import DraftTree
 
@@ -64,3 +66,26 @@ class Speculator:
     network: torch.nn.Module  # the draft network (for the GEMV choices made at startup)
     proposer: Proposer
     program: StepProgram | None = None
+
+
+class Algorithm(Protocol):
+    """One `--speculative-algorithm` (speculative/registry.py), built in the factory's order: the draft network is
+    loaded first, then the KV pool is sized with what the algorithm keeps, then the speculator is built on it."""
+
+    def load(self, config: EngineConfig, target_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+             max_model_len: int, progress: bool) -> torch.nn.Module:
+        """The draft network, checked against the target."""
+
+    def bytes_per_token(self, network: torch.nn.Module, dtype: torch.dtype) -> int:
+        """What the drafter keeps per target KV slot (its own KV, taps), for sizing the pool."""
+
+    def target_scratch_slots(self, config: EngineConfig, device: torch.device, max_bs: int) -> int:
+        """Slots the algorithm needs in the target's pool after its pages (a tree program's verify nodes)."""
+
+    def needs_pad_page(self, config: EngineConfig, device: torch.device) -> bool:
+        """Whether it needs a page no request owns, for padded rows' KV (step programs do)."""
+
+    def build(self, config: EngineConfig, network: torch.nn.Module, target: torch.nn.Module, kv_cache: torch.Tensor,
+              num_slots: int, max_bs: int, max_model_len: int, rng: random.Random, capture: bool,
+              progress: bool) -> Speculator:
+        """The speculator on the allocated pool: `num_slots` page slots, then the padding page and scratch."""

@@ -227,8 +227,7 @@ def test_the_backlog_pass_as_decode_rows_writes_what_a_prefill_chunk_writes(tmp_
     without a GPU."""
     from specserve.layers.attention import AttentionMetadata
     from specserve.speculative.programs import base as program_base
-    from specserve.speculative.drafters.base import catch_up_meta
-    from specserve.speculative.drafters.eagle3 import eagle3_catch_up
+    from specserve.speculative.drafters.base import catch_up_meta, eagle3_catch_up
 
     engine, _ = _random_head_engine(tmp_path, tiny_checkpoint)
     gate = {"open": False}

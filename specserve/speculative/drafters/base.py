@@ -65,6 +65,14 @@ def catch_up_meta(chunks: list[tuple[list[int], int]], seqs: list[ScheduledSeq],
     return input_ids, positions, meta, last
 
 
+def eagle3_catch_up(seq: ScheduledSeq) -> tuple[list[int], int]:
+    """The tokens an EAGLE-3 head must be fed before drafting for `seq`, and the position of the first. It
+    has seen tokens [draft_start_pos, root]; position j pairs token j+1 with the taps of j, so the positions
+    to compute run from draft_start_pos - 1 (never below 0) to root - 1."""
+    first = max(seq.draft_start_pos - 1, 0)
+    return seq.draft_catchup_ids[first + 1 - seq.draft_start_pos:], first
+
+
 class Drafter(Protocol):
     """One draft network, as the tree search sees it."""
 

@@ -12,7 +12,10 @@ from specserve.core import ScheduledSeq
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token
 from specserve.models.loader import load_eagle3_head
 from specserve.speculative.base import Speculator
-from specserve.speculative.drafters.base import catch_up_meta, split_catch_up
+from specserve.speculative.drafters.base import catch_up_meta, eagle3_catch_up, split_catch_up
+from specserve.speculative.programs.base import ProgramSetup
+from specserve.speculative.programs.chain import ChainGraphs
+from specserve.speculative.programs.tree import TreeGraphs
 from specserve.speculative.search import TreeProposer, scratch_slots
 
 # A random head drafts over 32k tokens, the draft vocabulary of public Llama-3 EAGLE-3 heads. Its logits get a
@@ -21,14 +24,6 @@ from specserve.speculative.search import TreeProposer, scratch_slots
 # never reach the depths trees are built for. Costs do not change.
 RANDOM_HEAD_VOCAB = 32000
 RANDOM_HEAD_LOGIT_STD = 10.0
-
-
-def eagle3_catch_up(seq: ScheduledSeq) -> tuple[list[int], int]:
-    """The tokens an EAGLE-3 head must be fed before drafting for `seq`, and the position of the first. It
-    has seen tokens [draft_start_pos, root]; position j pairs token j+1 with the taps of j, so the positions
-    to compute run from draft_start_pos - 1 (never below 0) to root - 1."""
-    first = max(seq.draft_start_pos - 1, 0)
-    return seq.draft_catchup_ids[first + 1 - seq.draft_start_pos:], first
 
 
 class Eagle3Drafter:
@@ -127,20 +122,16 @@ class Eagle3:
         taps = torch.zeros(kv_cache.shape[2], head.config.model.hidden_size, dtype=dtype, device=device)
         drafter = Eagle3Drafter(head, target.embed_tokens, head_kv, taps, device)
         proposer = TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots, device)
-        sim = spec.simulate_accept_len
+        setup = ProgramSetup(num_slots, max_bs, max_model_len, page_size, spec.simulate_accept_len, rng, capture,
+                             progress)
         program = None
         if spec.eagle_topk == 1:
-            from specserve.speculative.programs.chain import ChainGraphs
-
-            program = ChainGraphs(target, drafter, kv_cache, spec.max_drafts, num_slots, max_bs, max_model_len,
-                                  page_size, sim, rng, capture=capture, progress=progress)
+            program = ChainGraphs(target, drafter, kv_cache, spec.max_drafts, setup)
         elif self._tree_program(config, device):
-            from specserve.speculative.programs.tree import TreeGraphs
-
             # The target's scratch starts after its padding page, the head's after its padding slot.
+            scratch = (num_slots + page_size, num_slots + 1)
             program = TreeGraphs(target, drafter, kv_cache, spec.eagle_topk, spec.num_steps, spec.max_drafts,
-                                 num_slots, num_slots + page_size, num_slots + 1, max_bs, max_model_len,
-                                 page_size, sim, rng, capture=capture, progress=progress)
+                                 scratch, setup)
         return Speculator(head, proposer, program)
 
     @staticmethod

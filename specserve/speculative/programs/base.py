@@ -8,7 +8,8 @@ per-step inputs live in one device buffer (one upload); rows of a step launched 
 from __future__ import annotations
 
 import bisect
-from dataclasses import replace
+import random
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from specserve import envs
 from specserve.core import SamplingParams, StepBatch
 from specserve.graph_shapes import batch_buckets, context_buckets
 from specserve.layers.attention import AttentionMetadata
-from specserve.speculative.drafters.eagle3 import eagle3_catch_up
+from specserve.speculative.drafters.base import eagle3_catch_up
 from specserve.speculative.simulate import draw_num_accepted
 
 
@@ -29,22 +30,36 @@ GREEDY = SamplingParams(temperature=0.0)  # the settings of a padding row
 DECODE_ROWS_BACKLOG = 64
 
 
+@dataclass(frozen=True)
+class ProgramSetup:
+    """What every program is built with besides its networks and its draft shape."""
+
+    pad_slot: int  # a target KV slot no request owns: padded rows write there
+    max_bs: int  # the largest batch captured
+    max_context: int  # the longest context captured
+    page_size: int
+    simulate_accept_len: float | None = None  # speed studies: drawn acceptance (speculative/simulate.py)
+    rng: random.Random | None = None  # its draws, shared with the general path's
+    capture: bool = False  # capture CUDA graphs (on a GPU); else every step runs eagerly
+    progress: bool = True
+
+
 class SpecGraphs:
     """What chain and tree programs share: per-step inputs in one device buffer (one upload), graphs captured
     per (batch bucket, context bucket), a launch that replays (or, on a CPU or with sampled rows, runs) the
     program and leaves each sequence's new tokens packed for one read-back, and rows that follow the last
     launch (`_follow`). Subclasses define the buffers, the rows and the program."""
 
-    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int, pad_slot: int,
-                 max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng) -> None:
+    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int,
+                 setup: ProgramSetup) -> None:
         self.target, self.drafter, self.kv_cache = target, drafter, kv_cache
         self.head = drafter.head
         self.width = width  # catch-up rows per sequence; also the positions a step may add past its root
-        self.pad_slot, self.page_size = pad_slot, page_size
-        self.simulate_accept_len, self.rng = simulate_accept_len, rng
+        self.pad_slot, self.page_size = setup.pad_slot, setup.page_size
+        self.simulate_accept_len, self.rng = setup.simulate_accept_len, setup.rng
         self.device = kv_cache.device
-        self.batch_sizes = batch_buckets(max_bs)
-        self.context_lens = context_buckets(max_context, page_size)
+        self.batch_sizes = batch_buckets(setup.max_bs)
+        self.context_lens = context_buckets(setup.max_context, setup.page_size)
         self.max_bs = self.batch_sizes[-1]
         self.num_runs = 0
         self._allocate()

@@ -33,19 +33,24 @@ from specserve.core import SamplingParams
 from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.sampler import argmax, filtered_probs
 from specserve.speculative.accept import accept_chain, accept_chain_sampled
-from specserve.speculative.programs.base import SpecGraphs, decode_rows_meta, page_slots, put_where, table_slots
+from specserve.speculative.programs.base import (
+    ProgramSetup,
+    SpecGraphs,
+    decode_rows_meta,
+    page_slots,
+    put_where,
+    table_slots,
+)
 from specserve.transfer import tensor_on
 
 
 class ChainGraphs(SpecGraphs):
-    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, num_drafts: int, pad_slot: int,
-                 max_bs: int, max_context: int, page_size: int, simulate_accept_len: float | None, rng,
-                 capture: bool, progress: bool = True) -> None:
+    def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, num_drafts: int,
+                 setup: ProgramSetup) -> None:
         self.k = self.max_drafts = num_drafts
-        super().__init__(target, drafter, kv_cache, num_drafts + 1, pad_slot, max_bs, max_context, page_size,
-                         simulate_accept_len, rng)
-        if capture:
-            self._capture(progress, "capturing speculative graphs")
+        super().__init__(target, drafter, kv_cache, num_drafts + 1, setup)
+        if setup.capture:
+            self._capture(setup.progress, "capturing speculative graphs")
 
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
         b, w, e = self.max_bs, self.width, max(self.k - 1, 1)

@@ -32,7 +32,7 @@ import torch
 
 from specserve import envs
 from specserve.speculative.accept import accept_tree_sampled
-from specserve.speculative.programs.base import SpecGraphs, page_slots, put_where, table_slots
+from specserve.speculative.programs.base import ProgramSetup, SpecGraphs, page_slots, put_where, table_slots
 from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.sampler import argmax, filtered_probs, race
 from specserve.speculative.search import search_depth
@@ -72,17 +72,15 @@ class TreeGraphs(SpecGraphs):
     fused = False  # the search's bookkeeping in Triton kernels (kernels/triton/tree.py): on a GPU, by default
 
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, topk: int, num_steps: int,
-                 num_drafts: int, pad_slot: int, target_scratch: int, head_scratch: int, max_bs: int,
-                 max_context: int, page_size: int, simulate_accept_len: float | None, rng, capture: bool,
-                 progress: bool = True) -> None:
-        """The target's KV pool holds `max_bs * num_drafts` scratch slots from `target_scratch`, the head's
-        `max_bs * topk * (depth - 1)` from `head_scratch`."""
+                 num_drafts: int, scratch: tuple[int, int], setup: ProgramSetup) -> None:
+        """`scratch` = (target_scratch, head_scratch): the target's KV pool holds `max_bs * num_drafts` scratch
+        slots from `target_scratch`, the head's `max_bs * topk * (depth - 1)` from `head_scratch`."""
+        target_scratch, head_scratch = scratch
         self.topk, self.num_drafts = topk, num_drafts
         self.max_drafts = num_drafts
         self.depth = search_depth(num_drafts, topk, num_steps)
         # Accepting a path of the full depth adds depth + 1 tokens, which the next catch-up feeds.
-        super().__init__(target, drafter, kv_cache, self.depth + 1, pad_slot, max_bs, max_context, page_size,
-                         simulate_accept_len, rng)
+        super().__init__(target, drafter, kv_cache, self.depth + 1, setup)
         fed = topk * (self.depth - 1)
         self.target_scratch = target_scratch + torch.arange(self.max_bs * num_drafts, device=self.device).view(
             self.max_bs, num_drafts)
@@ -95,8 +93,8 @@ class TreeGraphs(SpecGraphs):
         self.fused = self.device.type == "cuda" and _fused_search_enabled(self.candidate_depth.numel())
         if self.fused:
             self._allocate_search(self.candidate_depth.numel())
-        if capture:
-            self._capture(progress, "capturing speculative tree graphs")
+        if setup.capture:
+            self._capture(setup.progress, "capturing speculative tree graphs")
 
     def _allocate_search(self, num_candidates: int) -> None:
         """Static buffers of the fused search (kernels/triton/tree.py): the candidates, what each level feeds the
