@@ -77,9 +77,10 @@ def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> Engin
 def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecConfig:
     """The embedded default model ships a trained head: EAGLE3 without a head path uses it, and with
     `bundled_head` it is on unless --speculative-algorithm NONE. On a GPU the head stays off by default: its
-    chain steps pay at batch 1 (1.33x on an H200) but lose at 80 conversations (0.82x), and the adaptive plan
-    was measured there only with simulated acceptance. With `bundled_head` (serve, generate), drafting adapts
-    unless --disable-speculative-adaptive; benchmarks draft every step unless --speculative-adaptive."""
+    chain steps pay at batch 1 but lose under many concurrent conversations, and the adaptive plan has run
+    there only with simulated acceptance (docs/speculative.md). With `bundled_head` (serve, generate),
+    drafting adapts unless --disable-speculative-adaptive; benchmarks draft every step unless
+    --speculative-adaptive."""
     from specserve import draft_heads
 
     algorithm, head = args.speculative_algorithm, args.speculative_draft_model_path

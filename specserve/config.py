@@ -135,7 +135,7 @@ class SpecConfig:
     # "fp8": the EAGLE-3 head's projections in fp8 (weight-only, a scale per output feature), as SGLang's
     # --speculative-draft-model-quantization: half the bytes a draft step of at most 16 rows reads (larger calls
     # widen the weights first). Output stays the target's (every token is verified); what it may cost is
-    # acceptance (README).
+    # acceptance (docs/speculative.md).
     draft_model_quantization: str | None = None
 
     def __post_init__(self) -> None:

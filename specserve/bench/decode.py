@@ -171,7 +171,7 @@ def _busy_cpu_s() -> float:
 def _timed(fn, *a):
     """Runs fn, re-running it (up to MAX_RETRIES) while other processes took CPU from it.
 
-    The box is small and shared: another job taking one of two cores can cut tok/s by 3x, which would
+    On a small, shared machine another job taking one of its cores can cut tok/s several-fold, which would
     say nothing about either system. A run counts as contended if other processes used more than
     CONTENDED_CORE_FRAC of a core on average during it."""
     for attempt in range(MAX_RETRIES + 1):

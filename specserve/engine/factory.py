@@ -172,11 +172,12 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
 
 def freeze_startup_objects() -> None:
     """Moves every object alive now out of the garbage collector's view. The imports and the model's
-    construction leave about a million objects that live as long as the process; a full collection walked
-    them all, stalling the host ~100 ms eight or nine times in a 25 s serving run at C = 250, while under
-    overlap the device waited. Objects made while serving are collected as usual. What an earlier call froze
-    is thawed and collected first, so an engine dropped before this one is built (evaluations and benchmarks
-    build several in turn) is not kept alive by a reference cycle the collector no longer looks at."""
+    construction leave about a million objects that live as long as the process; a full collection walks
+    them all, a long stall of the host that recurs through a busy serving run, and under overlap the
+    device waits through it (docs/performance.md). Objects made while serving are collected as usual. What
+    an earlier call froze is thawed and collected first, so an engine dropped before this one is built
+    (evaluations and benchmarks build several in turn) is not kept alive by a reference cycle the collector no
+    longer looks at."""
     thaw_and_collect()
     gc.freeze()
 

@@ -6,9 +6,9 @@ shapes, so they are captured for batch-size buckets x context-length buckets, an
 the nearest of each: padded rows write their KV to one reserved slot and attend to one token, and the
 context bucket only sizes the page table (attention reads each sequence's own length, with the Triton
 paged decode kernel). Each graph also swaps placeholder ids for the tokens they stand for (overlap scheduling,
-engine/futures.py) and takes the greedy argmax, and a step uploads its inputs in one copy: at batch 1, every
-operation left outside a graph costs a few microseconds of a ~4 ms step. Other sampling stays outside (it
-reads per-request settings and seeds).
+engine/futures.py) and takes the greedy argmax, and a step uploads its inputs in one copy: at batch 1 a step
+is little more than its weights' copy time, so every operation left outside a graph adds a launch's latency
+to it. Other sampling stays outside (it reads per-request settings and seeds).
 
 Steps that prefill, or that verify drafts, run eagerly. For training-data generation, the graphs can also
 write the tapped layer outputs and the final hidden state of every row to a buffer (`record_layers`).

@@ -22,11 +22,10 @@ from specserve.transfer import to_device
 
 
 # SDPA for shapes that rarely repeat (the draft head's catch-ups): without cuDNN's backend, which builds an
-# execution plan for every new shape: 45 ms to 1.8 s of host time per call on the H200 with torch 2.11, for
-# under 1 ms of device time. Flash serves causal calls; masked ones go to the memory-efficient kernel, with
-# K/V heads repeated for it (it takes no grouped heads). The target keeps the default choice: its prompt
-# steps repeat shapes, and repeating K/V heads for a step's decode rows made prompt steps of 224 decoding
-# requests ~75 ms slower.
+# execution plan for every new shape, host time far beyond the call's device time (docs/performance.md).
+# Flash serves causal calls; masked ones go to the memory-efficient kernel, with K/V heads repeated for it (it
+# takes no grouped heads). The target keeps the default choice: its prompt steps repeat shapes, and repeating
+# K/V heads for a step's decode rows made prompt steps with many decoding requests slower.
 VARIED_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Sequences with at most this many queries (decode steps and verified draft trees) share one padded SDPA call;

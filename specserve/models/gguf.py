@@ -58,7 +58,7 @@ class _PlainGGUFReader(GGUFReader):
     """GGUFReader that parses through a plain ndarray view of its memmap.
 
     Slicing np.memmap runs Python-level __array_finalize__ per slice; with ~100k
-    tokenizer strings that makes metadata parsing ~3x slower for no benefit.
+    tokenizer strings that makes metadata parsing several times slower for no benefit.
     """
 
     @property

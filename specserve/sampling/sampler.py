@@ -28,7 +28,7 @@ def argmax(logits: torch.Tensor, offsets: torch.Tensor | None = None, out: torch
     """The greedy token of each row: argmax over the last dimension, plus offsets[argmax] where `offsets` is
     given (an EAGLE-3 head's draft-to-target id map); written into `out` where given (int64: one dimension with
     any stride, or contiguous). On a GPU two small Triton kernels (kernels/triton/argmax.py) take the place of
-    torch.argmax, which spends tens of microseconds on a few rows of a large vocabulary, and add the offsets too;
+    torch.argmax, which takes many times a row's reading time on a large vocabulary, and add the offsets too;
     the graphs of decode and speculative steps use it."""
     if logits.is_cuda:
         from specserve.kernels.triton import argmax as triton_argmax  # Triton: GPU machines only

@@ -130,8 +130,8 @@ class AdaptivePlan:
         """While drafting is unmeasured in this bucket: the break-even of the largest smaller bucket with both
         costs measured, if drafting loses there for these requests. A drafting step's cost grows with its
         rows faster than a plain step's, so the break-even does not fall as the batch grows, and measuring
-        drafting at a load where it surely loses costs several of its slowest steps (~2 % of a short run
-        at C = 250 on the H200)."""
+        drafting at a load where it surely loses costs several of its slowest steps, a visible share of a
+        short run at high concurrency."""
         if not self._unmeasured(True, size):
             return None
         known = [b for (drafted, b) in self.cost

@@ -2,7 +2,7 @@
 
 `propose(batch) -> {sequence index: DraftTree}` for every sequence with `num_draft_tokens > 0`, rooted at the
 sequence's last token, with exactly `num_draft_tokens` drafts. Drafts are chosen deterministically (top-k of
-the draft's distribution), which is what makes `spec.verify` lossless for them.
+the draft's distribution), which is what makes `speculative.verify` lossless for them.
 
 One search serves both kinds of drafter (an EAGLE-3 head, or a standalone draft model): EAGLE-2's dynamic
 tree. From the root, take the top-k next tokens; feed those k nodes back, take the top-k children of each,

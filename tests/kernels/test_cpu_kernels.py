@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (layers/csrc) against the PyTorch paths they replace.
+"""The compiled CPU kernels (kernels/cpu/csrc) against the PyTorch paths they replace.
 
 They build wherever a C++ compiler and AVX2 are found (CI has both), so these tests skip only elsewhere.
 """

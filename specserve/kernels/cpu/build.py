@@ -1,7 +1,7 @@
 """Hand-written CPU kernels (csrc/), compiled on first use with the machine's C++ compiler and cached.
 
-- `linear`: fp32 GEMM for few-row inputs (csrc/cpu_gemm.cpp). On a 2-core AVX2 EPYC it streams SmolLM2-135M's
-  weights at ~14-18 GB/s, where oneDNN's pre-packed GEMM reaches 6-10.
+- `linear`: fp32 GEMM for few-row inputs (csrc/cpu_gemm.cpp). It streams each weight once, closer to the
+  memory's streaming rate than oneDNN's pre-packed GEMM gets on such shapes (docs/performance.md, "The CPU").
 - `paged_attention`: short queries (decode, chain verification) straight from the paged KV cache
   (csrc/cpu_attention.cpp), replacing the gather + padded SDPA of the reference path.
 - `rms_norm`, `rotary_`, `silu_and_mul`: the elementwise math between the matmuls, one pass each

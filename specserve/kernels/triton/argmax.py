@@ -1,10 +1,10 @@
 """The greedy token of each row of logits (argmax over the vocabulary) in two small kernels.
 
-PyTorch's argmax gives one row to few blocks: on an H200 it took 36 us for one row of a 128,256-token vocabulary
-and 12 us for one of the 32,000-token draft vocabulary, under 1 us of memory traffic, once in every plain
-decode step and four times in every chain step (benchmarks/spec_step_parts.py --kernels). Here blocks of
-2,048 entries each find their best entry, and then one program per row picks the best of its blocks. As with
-torch.argmax, ties go to the lower index and a NaN beats every number (the first NaN of a row is its argmax).
+PyTorch's argmax gives one row to few blocks, so a row of a large vocabulary takes many times as long as
+reading it (docs/performance.md), once in every plain decode step and four times in every chain step. Here
+blocks of 2,048 entries each find their best entry, and then one program per row picks the best of its
+blocks. As with torch.argmax, ties go to the lower index and a NaN beats every number (the first NaN of a row
+is its argmax).
 """
 from __future__ import annotations
 

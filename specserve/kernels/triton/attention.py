@@ -18,10 +18,10 @@ from specserve import envs
 from specserve.kernels.triton import pdl as triton_pdl
 from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
-# (context tokens per inner iteration, warps, pipeline stages). One query row per sequence: graph-timed on the
-# H200 at batch 256, context 640 (benchmarks/profile_gpu_step.py), 170 us a layer against 193 for (32, 4, 3),
-# 92 % of the copy rate, and the same at batch 1. Runs of tree rows hold up to 64 query rows a program, and
-# keep the smaller tile.
+# (context tokens per inner iteration, warps, pipeline stages). One query row per sequence: graph-timed over a
+# whole decode step, the longer tile with a deeper pipeline came closer to the KV's copy rate than (32, 4, 3),
+# at large batches and at batch 1 alike. Runs of tree rows hold up to 64 query rows a program, and keep the
+# smaller tile.
 ROW_TILE = (64, 4, 4)
 TREE_TILE = (32, 4, 3)
 
@@ -58,10 +58,10 @@ def _attend_block(q, K, V, slot, load_ok, see, kv_head, stride_ks, stride_kh, m,
 # Kernels are compiled per value of every constexpr, and per integer argument that is 1 or a multiple of 16.
 # The graphs' kernels are compiled at capture, but eager calls (decode rows of steps with prompts, the draft
 # head's catch-up) see a new table width or slice count almost every time, and each new specialisation
-# compiled inside a serving step (~0.1 s). So the arguments that vary with the batch are not specialised on
-# (the table and tail widths, the chunk length, and the log-sum-exp strides, which are multiples of the slice
-# count), the slice count is a plain argument (its power-of-two padding the only constexpr), and `warm_up`
-# compiles every form the eager calls can take at startup.
+# would compile inside a serving step, stalling it. So the arguments that vary with the batch are not
+# specialised on (the table and tail widths, the chunk length, and the log-sum-exp strides, which are
+# multiples of the slice count), the slice count is a plain argument (its power-of-two padding the only
+# constexpr), and `warm_up` compiles every form the eager calls can take at startup.
 @triton.jit(do_not_specialize=["stride_tb", "stride_tail", "stride_lb", "stride_lh", "CHUNK"])
 def _partial_kernel(Q, K, V, TABLES, LENS, TAIL, TAIL_LENS, OUT, LSE, scale,
                     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_tail, stride_ob, stride_oh,

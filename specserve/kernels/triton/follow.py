@@ -4,7 +4,7 @@ program's per-row attention inputs (`chain_rows`, below).
 `SpecGraphs._follow` and the programs' `_follow_root` state in PyTorch what a following row's inputs are: the
 head's catch-up on the last step's root and accepted drafts, the new root and its token, and every slot from
 the page table. On a GPU that is ~60 kernels of a few elements each, in every program graph, each paying a
-launch's latency: together about as long as the rest of a batch-1 chain step outside its forwards (~0.12 ms).
+launch's latency: together about as long as the rest of a batch-1 chain step outside its forwards.
 This kernel writes the same buffers in one launch, one program per row. The PyTorch form stays the CPU path
 and is the reference a GPU test holds this to (SPECSERVE_FUSED_FOLLOW=0 runs it on a GPU).
 """

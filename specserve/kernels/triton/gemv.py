@@ -222,10 +222,10 @@ def _load_input(squares, X, GAMMA, k, m, M, K, stride_xm, dtype, ONE_ROW: tl.con
                 # The swapped dot must not share the shared buffer x's loads land in with the sum of squares:
                 # Triton 3.6 then gives that buffer as many slots as the loads run ahead (3 at 4 stages),
                 # counting the squares as its last reader, and the asynchronous wgmma still reading a slot races
-                # the next loads into it (masked loads past K write zeros; on an H200 a TMA tile gave wrong
-                # results). The squares read x again instead, a differing eviction hint keeping the two loads
-                # apart. (Feeding the dot a copy of x made in registers is also right, but slower: the dot
-                # then waits for itself.)
+                # the next loads into it (masked loads past K write zeros; a TMA tile gave wrong results).
+                # The squares read x again instead, a differing eviction hint keeping the two loads apart.
+                # (Feeding the dot a copy of x made in registers is also right, but slower: the dot then
+                # waits for itself.)
                 xf = tl.load(x_at, mask=x_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
             else:
                 xf = x.to(tl.float32)

@@ -1,7 +1,7 @@
 """Triton kernels for the elementwise steps that torch.compile's dynamic-shape kernels ran slowly on a GPU.
 
-Profiled on a Llama-3.1-8B shape, a 16k-token prefill chunk spent ~1 ms a layer in the compiled rotary kernel
-and ~1 ms in SiLU-and-multiply, 3-8x what their memory traffic needs; a decode step paid two KV-store
+On a Llama-3.1-8B shape the compiled rotary and SiLU-and-multiply kernels took several times as long over a
+long prefill chunk as their memory traffic needs (docs/performance.md); a decode step paid two KV-store
 launches a layer. A decode step now folds the residual add into RMSNorm and the KV store into the rotary
 kernel, so a layer launches three of these (two norms, one rotary) where it launched seven. Each kernel here
 rounds where its PyTorch form (kernels/pointwise.py, `eager_*`) does (fp32 math, one cast per result), so outputs

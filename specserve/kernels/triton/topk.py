@@ -2,9 +2,9 @@
 
 Each level of the tree program's search takes the head's logits of the fed rows ([rows, draft vocab]) to fp32,
 applies log_softmax and keeps the top k. In PyTorch that is a cast, a softmax and a radix top-k: about a dozen
-small kernels in an H200 profile of the program, five times a step, each paying a launch's latency in the
-graph. Here it takes two launches: blocks of each row find their max, their sum of exponentials and their k
-best entries, then one program per row merges them. Each pick takes the largest value ranked after the last
+small kernels in the program's graph, five times a step, each paying a launch's latency. Here it takes two
+launches: blocks of each row find their max, their sum of exponentials and their k best entries, then one
+program per row merges them. Each pick takes the largest value ranked after the last
 pick in (value descending, index ascending) order, so ties keep the lower token id. The PyTorch form,
 `log_softmax_topk` in speculative/programs/tree.py, is the CPU path; a GPU test holds this to its values and to a
 stable sort's ranking.

@@ -4,10 +4,10 @@ in one, and a greedy step's acceptance in one.
 In PyTorch (`TreeGraphs._search`, `_select`, `_leaf` and `_emit`: the CPU path and the reference), each level of
 the search makes its children's scores and target ids, sorts them to feed the k best to the next level and
 gathers their states, tokens and paths (~17 small kernels); keeping the N best candidates and laying them out as a
-tree (ranks, node numbers, parents, paths) takes ~35 more, and accepting a greedy step ~40. In a batch-1 graph on
-an H200 each pays a launch's latency (~1.8 us). Here one program per sequence does a level, one the selection,
-and one the acceptance. Rankings compare every pair of candidates, so ties keep the earlier candidate, as a
-stable sort does.
+tree (ranks, node numbers, parents, paths) takes ~35 more, and accepting a greedy step ~40. In a batch-1 graph
+each pays a launch's latency, however little it does. Here one program per sequence does a level, one the
+selection, and one the acceptance. Rankings compare every pair of candidates, so ties keep the earlier
+candidate, as a stable sort does.
 
 Three more kernels take what was left of the step's small PyTorch operations: the row inputs that follow from
 the step's positions (`step_rows`, ~8 operations), the search's first level (`root_children`, ~5) and the move

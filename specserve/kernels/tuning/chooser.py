@@ -46,9 +46,9 @@ TMA_TILES = [Tile(n, k, 4, s, swap=True, tma=True) for n, k, s in
 # never won for fp8 weights, so they are not candidates.
 FP8_ONE_ROW_TILES = [Tile(n, 1024, w, s) for n, w, s in ((4, 8, 4), (8, 4, 3), (16, 8, 4))]
 # Split over K (gemv._store_split): each output tile's row slice reduced by `split_k` programs, the last one in
-# adding up their partial sums. Unsplit, a weight of few output tiles leaves SMs idle or unevenly loaded (an H200
-# has 132: a 4096 x 4096 weight in 64-wide tiles is 64 programs; a 6144-wide one in 32-wide tiles, 192, a wave
-# and a half), and each program streams a whole row; split, there are more, shorter programs.
+# adding up their partial sums. Unsplit, a weight of few output tiles leaves SMs idle or unevenly loaded (on a
+# GPU of 132 SMs a 4096 x 4096 weight in 64-wide tiles is 64 programs; a 6144-wide one in 32-wide tiles, 192, a
+# wave and a half), and each program streams a whole row; split, there are more, shorter programs.
 SPLIT_ROWS_TILES = [replace(t, split_k=s) for t in (Tile(32, 256, 4, 4), Tile(64, 128, 4, 4)) for s in (2, 4)]
 SPLIT_TMA_TILES = [replace(t, split_k=s) for t in (TMA_TILES[0], TMA_TILES[2], TMA_TILES[4]) for s in (2, 4)]
 # Swapped tiles are not timed for forms that scale x by a folded norm's weight: timed alone they won at 2-16

@@ -179,8 +179,9 @@ class SpecGraphs:
     def _extend_head(self, seqs) -> torch.Tensor:
         """The head over each sequence's catch-up, every row attending like a decode row (as the program's rows do
         without SHARED_CONTEXT); returns its output rows (the drafting state after each), in order.
-        Prefill attention took 40-1,100 ms per call on the H200 for a few rows (new shapes each time: the
-        context grows every step), where this takes the decode kernel the graphs already built. Each row
+        Prefill attention builds a plan per new shape, and the shapes are new each time (the context grows
+        every step), so a few rows cost far more host time than they need; this takes the decode kernel the
+        graphs already built. Each row
         reads its whole context, so it is kept to short backlogs."""
         ids, positions, slots = [], [], []
         pages = max(len(s.page_ids) for s in seqs)

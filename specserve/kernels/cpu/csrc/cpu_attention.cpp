@@ -1,7 +1,7 @@
 // Paged attention for short queries on CPU (decode steps, chain verification), fp32.
 //
 // The reference path gathers every sequence's context into a padded batch and calls SDPA; for one query per
-// sequence on a 2-core machine that spent ~0.7 ms a layer at batch 8, most of it copying and padding. This
+// sequence most of its time goes to copying and padding, not to the attention itself. This
 // kernel reads keys and values straight from their cache slots: for each token it scores the context
 // with every query head (eight slots at a time, one add tree per eight dot products), softmaxes, and sums
 // the values with the output held in registers. Token t sees the first kv_len[t] entries of its sequence's

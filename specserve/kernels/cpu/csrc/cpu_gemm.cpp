@@ -1,7 +1,7 @@
 // fp32 y = x W^T (+ b) for CPU decode, where x has few rows and W does not fit in cache.
 //
-// oneDNN and MKL reach 6-10 GB/s of weight reads on such shapes on a 2-core AVX2 machine, against ~22 GB/s
-// a plain streaming read gets. This kernel streams each weight once: W is packed into panels of 8 output
+// oneDNN and MKL read the weights of such shapes well below the rate a plain streaming read gets
+// (docs/performance.md, "The CPU"). This kernel streams each weight once: W is packed into panels of 8 output
 // columns ([N/8][K][8]), so a panel is one contiguous run; for each panel every block of up to 8 input rows
 // accumulates in registers. Threads split the panels. The math is fp32 FMAs in K order, so results differ
 // from oneDNN's only in rounding.
