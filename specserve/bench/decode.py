@@ -223,8 +223,6 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
     vocab = llm.model_info.model_cfg.vocab_size
     hf = None
     if not args.no_hf:
-        from transformers import AutoModelForCausalLM
-
         hf = _hf_peer(resolve_model(engine_config), llm, dtype)
         pad = hf.generation_config.pad_token_id
         pad = pad if pad is not None else (hf.generation_config.eos_token_id or 0)

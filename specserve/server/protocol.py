@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 def test_fused_tree_search_kernels_match_the_pytorch_forms():
     """A search level's bookkeeping (the first level's too), the tree's selection, a greedy step's acceptance, the
-    step's row inputs and the accepted nodes' move (engine/triton_tree.py) against the PyTorch forms."""
+    step's row inputs and the accepted nodes' move (kernels/triton/tree.py) against the PyTorch forms."""
     check_tree_select("cuda")
     check_tree_accept("cuda")
     check_tree_step_rows("cuda")

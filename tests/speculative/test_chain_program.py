@@ -1,4 +1,4 @@
-"""EAGLE-3 chains as one program per step (engine/chain_graphs.py), run eagerly on the CPU: the same drafts,
+"""EAGLE-3 chains as one program per step (speculative/programs/chain.py), run eagerly on the CPU: the same drafts,
 acceptance and outputs as the general tree path, lossless against HF, and simulated acceptance unchanged."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EAGLE-2 trees as one program per step (engine/tree_graphs.py), run eagerly on the CPU: the same trees,
+"""EAGLE-2 trees as one program per step (speculative/programs/tree.py), run eagerly on the CPU: the same trees,
 acceptance and outputs as the general tree search, lossless against HF, simulated acceptance the same, and the
 attention contract its kernel follows (context through the page table, then a tail of scattered slots)."""
 from __future__ import annotations
