@@ -132,28 +132,17 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     if algorithm is not None:
         speculator = algorithm.build(config, draft, model, kv_cache, num_slots, max_bs, max_model_len, rng,
                                      capture=use_graphs, progress=progress)
-    plan, gate, follow, adaptive = None, None, None, None
-    if speculator is not None:
-        plan = _fixed_plan(config.spec.max_drafts)
-        if config.spec.adaptive:
-            adaptive = AdaptivePlan(config.spec.max_drafts)
-            plan, gate, follow = adaptive.num_drafts, adaptive.step_drafts, adaptive.drafting_pays
-    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len, plan,
-                          config.spec.max_drafts, gate, follow)
+    adaptive = AdaptivePlan(config.spec.max_drafts) if speculator is not None and config.spec.adaptive else None
+    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len,
+                          *_draft_hooks(config, speculator, adaptive))
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     proposer = speculator.proposer if speculator is not None else None
     futures = FutureTokens(config.scheduler.max_running_requests, device)
     graphs, untimed_gemv = None, contextlib.nullcontext
     if use_graphs:
+        untimed_gemv = _decide_gemv_tiles(model, draft)
         from specserve.engine.graphs import DecodeGraphs
-        from specserve.kernels.tuning import chooser
-        from specserve.layers.linear import decide_gemv_tiles
 
-        with torch.inference_mode():
-            for network in (model, draft):
-                if network is not None:
-                    decide_gemv_tiles(network)
-        untimed_gemv = chooser.choice.untimed
         # Steps that draft nothing replay the same graphs whether speculation is configured or not; an
         # EAGLE-3 head's taps are stored inside them, so turning drafting on later costs nothing extra.
         graphs = DecodeGraphs(model, kv_cache, num_slots, max_bs, max_model_len, page_size, progress, proposer,
@@ -196,8 +185,28 @@ def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: 
         triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)
 
 
-def _fixed_plan(num_drafts: int):
-    return lambda request: num_drafts
+def _draft_hooks(config: EngineConfig, speculator, adaptive: AdaptivePlan | None) -> tuple:
+    """The scheduler's draft plan, draft budget, step gate and follow gate (engine/scheduler.py): none without
+    speculation; the adaptive plan's with --speculative-adaptive; else every step drafts the most it can."""
+    max_drafts = config.spec.max_drafts
+    if speculator is None:
+        return None, max_drafts, None, None
+    if adaptive is not None:
+        return adaptive.num_drafts, max_drafts, adaptive.step_drafts, adaptive.drafting_pays
+    return (lambda request: max_drafts), max_drafts, None, None
+
+
+def _decide_gemv_tiles(*networks: torch.nn.Module | None):
+    """Makes the GEMV choices of every weight at startup, where CUDA graphs capture them; returns the context
+    in which a step's eager calls take cuBLAS for shapes still undecided rather than time them mid-step."""
+    from specserve.kernels.tuning import chooser
+    from specserve.layers.linear import decide_gemv_tiles
+
+    with torch.inference_mode():
+        for network in networks:
+            if network is not None:
+                decide_gemv_tiles(network)
+    return chooser.choice.untimed
 
 
 def _generation_eos(model_dir: Path | None) -> tuple[int, ...]:

@@ -63,7 +63,6 @@ class StepProgram(Protocol):
 class Speculator:
     """What one speculative algorithm gives the engine."""
 
-    network: torch.nn.Module  # the draft network (for the GEMV choices made at startup)
     proposer: Proposer
     program: StepProgram | None = None
 

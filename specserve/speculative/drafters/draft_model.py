@@ -89,4 +89,4 @@ class DraftModel:
         drafter = DraftModelDrafter(model, kv, kv_cache.device)
         proposer = TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots,
                                 kv_cache.device)
-        return Speculator(model, proposer)
+        return Speculator(proposer)

@@ -132,7 +132,7 @@ class Eagle3:
             scratch = (num_slots + page_size, num_slots + 1)
             program = TreeGraphs(target, drafter, kv_cache, spec.eagle_topk, spec.num_steps, spec.max_drafts,
                                  scratch, setup)
-        return Speculator(head, proposer, program)
+        return Speculator(proposer, program)
 
     @staticmethod
     def _tree_program(config: EngineConfig, device: torch.device) -> bool:
