@@ -7,9 +7,10 @@ through the CLI (`specserve bench`), the versions interleaved per figure:
   adaptive EAGLE-3 chain of 3 at simulated acceptance tau 3.
 It then prints, and writes to OUT/compare_revisions.md, each figure for both versions and their ratio.
 
-The baseline is a copy of the package from another revision:
-    git archive REV specserve | tar -x -C BASE_DIR     # BASE_DIR/specserve
+The baseline is a copy of the package from another revision (its bundled draft head is not needed here):
+    git archive REV specserve ':!specserve/draft_heads/*/*.safetensors' | tar -x -C BASE_DIR
     python benchmarks/compare_revisions.py --base BASE_DIR --out OUT_DIR
+Both versions run with the same installed dependencies (the CLI needs the server's: fastapi, uvicorn, gguf).
 """
 from __future__ import annotations
 
