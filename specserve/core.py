@@ -11,6 +11,12 @@ import enum
 from dataclasses import dataclass, field
 
 
+# OpenAI allows temperatures in [0, 2]; vLLM and SGLang check only that it is non-negative. The bound is far
+# past any temperature in use; it keeps out infinities and absurd values such as 1e9.
+MAX_TEMPERATURE = 100.0
+MAX_INT64 = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16
@@ -36,14 +42,15 @@ class SamplingParams:
         errors = []
         if self.max_tokens is not None and self.max_tokens < 1:
             errors.append(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            errors.append(f"temperature must be non-negative, got {self.temperature}")
+        # Comparisons with NaN are all false, so each range is written as "inside", and negated.
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            errors.append(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             errors.append(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             errors.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < -1:
-            errors.append(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT64:
+            errors.append(f"top_k must be -1 or 0 (disabled) or a positive 64-bit integer, got {self.top_k}")
         return errors
 
     @property

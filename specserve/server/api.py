@@ -10,6 +10,8 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve import __version__
@@ -18,7 +20,8 @@ from specserve.engine.async_engine import AsyncEngine, EngineError
 from specserve.engine.output import RequestOutput
 from specserve.core import SamplingParams
 from specserve.server.metrics import Metrics
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, Usage, error_body, new_id, now
+from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage, error_body,
+                                       new_id, now)
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +32,8 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model_name: str) -> FastAPI:
+def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model_name: str,
+              vocab_size: int | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
@@ -67,16 +71,18 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
                 "speculative_acceptance_simulated": simulated,
                 **dataclasses.asdict(config.engine)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
+        _check_request(body, vocab_size)
         prompt_ids = _completion_prompt(engine.tokenizer, body.prompt)
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=False, model_name=model_name,
                             simulated=simulated)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
+        _check_request(body, vocab_size)
         prompt_ids = _chat_prompt(engine.tokenizer, body)
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name,
                             simulated=simulated)
@@ -125,20 +131,55 @@ def _text_of(content) -> str:
     return "".join(parts)
 
 
+def _check_request(body, vocab_size: int | None) -> None:
+    """Refuses, before any tokenizing, what the server cannot honour: parameters it does not implement (by name,
+    rather than ignoring them) and token ids the model has no embedding for."""
+    for param, value, default in _unsupported(body):
+        if value != default:  # NaN is unequal to everything: refused as well
+            raise APIError(400, f"{param}={value!r} is not supported yet; leave it out or send {default!r}",
+                           param=param)
+    if vocab_size is not None and isinstance(body, CompletionRequest) and body.prompt \
+            and isinstance(body.prompt[0], int):
+        bad = next((t for t in body.prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+    if getattr(body, "max_completion_tokens", None) is not None and body.max_completion_tokens < 1:
+        raise APIError(400, f"max_completion_tokens must be at least 1, got {body.max_completion_tokens}",
+                       param="max_completion_tokens")
+
+
+def _unsupported(body) -> list[tuple[str, object, object]]:
+    """(parameter, value sent, the value that does nothing) for each parameter accepted only at its no-op value.
+    A parameter left out, or sent as null, counts as its no-op value."""
+    def no_op(value, default):
+        return default if value is None else value
+
+    rows = [("n", body.n, 1), ("presence_penalty", body.presence_penalty, 0.0),
+            ("frequency_penalty", body.frequency_penalty, 0.0), ("repetition_penalty", body.repetition_penalty, 1.0),
+            ("logit_bias", no_op(body.logit_bias, {}), {}),
+            # Chat's logprobs is a bool; completions' an int, where even 0 asks for the chosen tokens' logprobs
+            # (and 0 == False, hence the identity test).
+            ("logprobs", None if body.logprobs is False else body.logprobs, None)]
+    if isinstance(body, CompletionRequest):
+        rows += [("best_of", no_op(body.best_of, 1), 1), ("echo", body.echo, False), ("suffix", body.suffix or "", "")]
+    else:
+        rows += [("top_logprobs", no_op(body.top_logprobs, 0), 0),
+                 ("response_format", no_op(body.response_format, {"type": "text"}), {"type": "text"}),
+                 ("tools", no_op(body.tools, []), []), ("tool_choice", no_op(body.tool_choice, "none"), "none"),
+                 ("functions", no_op(body.functions, []), []),
+                 ("function_call", no_op(body.function_call, "none"), "none")]
+    return rows
+
+
 def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
-    if body.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise APIError(400, "presence and frequency penalties are not supported", param="presence_penalty")
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs")
-    if getattr(body, "echo", False):
-        raise APIError(400, "echo is not supported", param="echo")
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty", param="prompt")
     if prompt_len >= context:
         raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {context}", param="prompt")
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    # max_completion_tokens replaces max_tokens in OpenAI's chat API; null falls back to max_tokens, and 0 was
+    # refused in _check_request rather than read as "unlimited".
+    max_tokens = getattr(body, "max_completion_tokens", None)
+    max_tokens = body.max_tokens if max_tokens is None else max_tokens
     if max_tokens is not None and max_tokens > context - prompt_len:
         raise APIError(
             400,
@@ -152,7 +193,11 @@ def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
             ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
         )
     except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+        param = next((name for name in _SAMPLING_FIELDS if str(exc).startswith(name)), None)
+        raise APIError(400, str(exc), param=param) from exc
+
+
+_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
 
 # -- serving ------------------------------------------------------------------
@@ -279,7 +324,33 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.kind, err.status, err.param), status_code=err.status)
 
 
+_ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "Invalid request"), (404, "Unknown model"), (429, "Queue full"), (503, "Engine not ready"))}
+_HTTP_ERROR_TYPES = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                     413: "invalid_request_error", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+
+
+def _openapi_with_400(app: FastAPI):
+    """FastAPI documents a 422 for every route with a body; this server answers those errors with a 400 in
+    OpenAI's form (ErrorResponse), so the schema says that instead."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def _install_error_handlers(app: FastAPI) -> None:
+    app.openapi = _openapi_with_400(app)
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
         return _error_response(err)
@@ -288,8 +359,19 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        message = f"{where}: {msg}" if where else msg
         return _error_response(APIError(400, message, param=where))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own errors (404 unknown path, 405 wrong method, 400 a body that is not UTF-8 or nests too
+        # deep for the JSON parser), in the same form as ours.
+        kind = _HTTP_ERROR_TYPES.get(err.status_code, "InternalServerError" if err.status_code >= 500
+                                     else "invalid_request_error")
+        response = _error_response(APIError(err.status_code, str(err.detail), kind))
+        response.headers.update(err.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, err: Exception) -> JSONResponse:

@@ -22,7 +22,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     metrics = Metrics()
     engine = AsyncEngine(config.engine, tokenizer, context, metrics.on_stats, metrics.on_tokens, metrics.on_spec_step)
     name = config.served_model_name or resolved.name
-    return build_app(config, engine, metrics, name)
+    return build_app(config, engine, metrics, name, vocab_size=resolved.model_cfg.vocab_size)
 
 
 def serve(config: ServerConfig) -> None:

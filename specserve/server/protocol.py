@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Request(BaseModel):
@@ -25,9 +25,19 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     skip_special_tokens: bool = True
+    # Accepted so that they can be refused by name (server/api.py) until implemented; defaults are no-ops.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logprobs: bool | int | None = None
+    logit_bias: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _reject_lone_surrogates(data)
+        return data
+
 
     @property
     def include_usage(self) -> bool:
@@ -42,12 +52,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None  # the deprecated form of tools
+    function_call: str | dict | None = None
+
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class Usage(BaseModel):
@@ -60,6 +79,37 @@ class Usage(BaseModel):
     spec_accepted_tokens: int = 0
     spec_mean_acceptance_length: float | None = None
     spec_acceptance_simulated: bool = False  # --speculative-simulate-accept-len: not the model's output
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers, whatever its status (OpenAI's form)."""
+    error: ErrorDetail
+
+
+def _reject_lone_surrogates(data) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which are not Unicode and make the tokenizer raise.
+    Walks the body without recursion, so a deeply nested body cannot exhaust the stack."""
+    stack = [((), data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                at = ".".join(map(str, where)) or "body"
+                raise ValueError(f"{at} holds a lone surrogate ({value[exc.start]!r}), which is not valid Unicode")
+        elif isinstance(value, dict):
+            stack.extend(((*where, k), v) for k, v in value.items())
+            stack.extend(((*where, "<key>"), k) for k in value)
+        elif isinstance(value, list):
+            stack.extend(((*where, i), v) for i, v in enumerate(value))
 
 
 def new_id(prefix: str) -> str:
