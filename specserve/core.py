@@ -95,7 +95,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Speculation counters: steps that drafted, tokens drafted, drafts accepted.
+    # Speculation counters: steps that drafted, tokens drafted, drafts accepted and emitted (see TokenDelta).
     num_spec_steps: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -48,6 +48,8 @@ class TokenDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     # Speculation: drafts proposed and accepted this step (None if it did not draft), and running totals.
+    # Accepted counts emitted tokens less one, so accepted + 1 is what the step output even when a stop
+    # (EOS, a stop token, max_tokens) inside the accepted run cuts it short.
     step_drafted: int = 0
     step_accepted: int | None = None
     num_drafted_tokens: int = 0
@@ -306,16 +308,19 @@ class EngineCore:
             accepted_drafts = len(tokens) - 1
             # KV is kept for the step's own tokens and the accepted drafts; the bonus token has none yet.
             request.num_computed_tokens += len(seq.token_ids) + accepted_drafts
+            emitted = self._append_until_finished(request, tokens)
+            # Counted from what is emitted: a stop inside the accepted run ends the step there, and the
+            # drafts and bonus token after it are not output (with a stop, it takes the bonus token's place).
+            emitted_drafts = len(emitted) - 1
             if seq.num_draft_tokens:
                 request.num_spec_steps += 1
                 request.num_drafted_tokens += seq.num_draft_tokens
-                request.num_accepted_tokens += accepted_drafts
-                if self.observer is not None:
+                request.num_accepted_tokens += emitted_drafts
+                if self.observer is not None:  # the plan learns how well the drafter guesses, stop or not
                     self.observer.observe_acceptance(request, seq.num_draft_tokens, accepted_drafts)
-            emitted = self._append_until_finished(request, tokens)
             if not request.finished:
                 self.scheduler.trim(request, reserve)
-            spec = (seq.num_draft_tokens, accepted_drafts) if seq.num_draft_tokens else (0, None)
+            spec = (seq.num_draft_tokens, emitted_drafts) if seq.num_draft_tokens else (0, None)
             deltas.append(_delta(request, emitted, *spec))
         return deltas
 

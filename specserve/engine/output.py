@@ -21,7 +21,7 @@ class RequestOutput:
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        """Tokens emitted per speculative step (accepted drafts plus the bonus token)."""
+        """Tokens emitted per speculative step: accepted drafts plus the bonus token, cut at a stop."""
         if not self.num_spec_steps:
             return None
         return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps

@@ -27,7 +27,7 @@ class Metrics:
         self.spec_drafted = Counter("specserve_spec_draft_tokens", "Draft tokens proposed", registry=r)
         self.spec_accepted = Counter("specserve_spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.acceptance_length = Histogram(
-            "specserve_spec_acceptance_length", "Tokens emitted per speculative step (accepted + 1)",
+            "specserve_spec_acceptance_length", "Tokens emitted per speculative step (cut at a stop)",
             buckets=tuple(range(1, 18)), registry=r,
         )
         self.itl = Histogram(
