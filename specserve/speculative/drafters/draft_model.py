@@ -63,6 +63,12 @@ class DraftModel:
     def load(self, config: EngineConfig, target_cfg: ModelConfig, dtype, device, max_model_len: int,
              progress: bool) -> torch.nn.Module:
         path = Path(config.spec.draft_model_path).expanduser()
+        if path.suffix == ".gguf" and path.is_file():
+            from specserve.models.gguf import cached_conversion  # needs the gguf package; HF dirs don't
+
+            # The same cache as a GGUF target's conversion (engine/factory.py default_cache_root).
+            cache_root = Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "specserve"
+            path = cached_conversion(path, cache_root)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in the draft model path {path}")
         draft_cfg = read_model_config(path)
