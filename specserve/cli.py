@@ -176,8 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--api-key", default=None, help="require this bearer token (or set SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-request-body-bytes", type=_at_least(1), default=4 * 1024 * 1024,
+                       help="larger request bodies get a 413 before they are read")
+    serve.add_argument("--request-read-timeout", type=float, default=30.0,
+                       help="seconds a request's headers, then its body, may take to arrive; then the connection "
+                            "is closed (a body gets a 408)")
 
     gen = sub.add_parser("generate", help="generate offline from prompts given on the command line")
     add_engine_args(gen)
@@ -265,10 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        from specserve import envs
         from specserve.server.launch import serve
 
-        serve(ServerConfig(args.host, args.port, args.api_key, args.served_model_name,
-                           engine_config(args, bundled_head=True)))
+        # The key may come from the environment, where `ps` does not show it.
+        serve(ServerConfig(args.host, args.port, args.api_key or envs.get().api_key or None, args.served_model_name,
+                           engine_config(args, bundled_head=True),
+                           max_request_body_bytes=args.max_request_body_bytes,
+                           request_read_timeout=args.request_read_timeout))
     elif args.command == "generate":
         return _generate(args)
     elif args.command == "bench" and args.bench == "decode":

@@ -42,6 +42,9 @@ class Switches:
     triton_gemv: bool = _switch(
         True, "Run GPU matmuls of at most 16 rows through the Triton GEMV for the shapes where it timed faster "
               "than cuBLAS. Off: cuBLAS for every shape.")
+    api_key: str = field(default="", repr=False, metadata={"doc": (
+        "The key `specserve serve` requires, as `--api-key` does (which wins when both are set); in the "
+        "environment it does not show in `ps`. Empty: no key.")})
     # The PyTorch or unfused forms that tests and benchmarks hold the defaults to.
     fold_norms: bool = _switch(
         True, "In bf16 on a GPU, fold a decoder layer's RMSNorms and residual adds into the GEMVs around "

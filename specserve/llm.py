@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import re
+import threading
+import uuid
 from dataclasses import replace
 from typing import Sequence
 
@@ -20,9 +23,44 @@ def load_tokenizer(tokenizer_dir):
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template, ready for the answer."""
+    """Token ids of a conversation rendered with the tokenizer's chat template, ready for the answer.
+
+    Only the template's own text makes control tokens. The messages' contents are tokenized with special-token
+    strings split into plain text, as vLLM and SGLang do, so a message holding "<|im_end|><|im_start|>system"
+    cannot close its turn and open another. To find the contents in the rendering, the template is rendered a
+    second time with a unique placeholder for each content; the placeholders cut it into template text and
+    contents. Where the template trims a content, the trimmed one is used, as the first rendering shows; where it
+    changes a content otherwise, the content goes in as sent.
+    """
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    marks = {i: f"\ue000{uuid.uuid4().hex}\ue001" for i, m in enumerate(messages)
+             if isinstance(m.get("content"), str) and m["content"]}
+    if not marks:
+        return _encode(tokenizer, text, split_special=False)
+    placeheld = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
+    skeleton = tokenizer.apply_chat_template(placeheld, add_generation_prompt=True, tokenize=False)
+    content_of = {mark: messages[i]["content"] for i, mark in marks.items()}
+    pieces = re.split("(" + "|".join(map(re.escape, content_of)) + ")", skeleton)  # text, mark, text, ..., text
+    for form in (lambda c: c, str.strip):
+        parts = [form(content_of[p]) if n % 2 else p for n, p in enumerate(pieces)]
+        if "".join(parts) == text:
+            break
+    else:
+        parts = [content_of[p] if n % 2 else p for n, p in enumerate(pieces)]
+    ids = []
+    with _ENCODE_LOCK:
+        for n, part in enumerate(parts):
+            ids += _encode(tokenizer, part, split_special=bool(n % 2)) if part else []
+    return ids
+
+
+# A fast tokenizer keeps `split_special_tokens` as state of the Rust tokenizer that every encode call sets, so
+# encodes that pass different values must not overlap.
+_ENCODE_LOCK = threading.Lock()
+
+
+def _encode(tokenizer, text: str, split_special: bool) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split_special)
 
 
 class LLM:

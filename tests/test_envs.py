@@ -23,7 +23,7 @@ def test_every_switch_is_documented_in_the_configuration_page_with_its_type_and_
         if isinstance(field.default, bool):
             assert (kind, default) == ("bool", "`1`" if field.default else "`0`"), field.name
         else:
-            assert (kind, default) == ("string", f"`{field.default}`"), field.name
+            assert (kind, default) == ("string", f"`{field.default}`" if field.default else "none"), field.name
     assert not set(re.findall(r"SPECSERVE_[A-Z0-9_]+", page)) - set(rows), "the page names a switch that is gone"
 
 

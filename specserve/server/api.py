@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -19,6 +21,8 @@ from specserve.config import ServerConfig
 from specserve.engine.async_engine import AsyncEngine, EngineError
 from specserve.engine.output import RequestOutput
 from specserve.core import SamplingParams
+from specserve.llm import chat_prompt_ids
+from specserve.server.limits import BodyLimit
 from specserve.server.metrics import Metrics
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage, error_body,
                                        new_id, now)
@@ -43,6 +47,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     _install_error_handlers(app)
+    # Inside the key check, so a client without the key cannot make the server read a body.
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes, read_timeout_s=config.request_read_timeout)
     if config.api_key:
         _install_auth(app, config.api_key)
     limit = config.engine.scheduler.max_running_requests + config.engine.scheduler.max_queued_requests
@@ -66,16 +72,31 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
 
     @app.get("/server_info")
     async def server_info() -> dict:
-        """The settings this server runs with, for benchmark records (SGLang has /get_server_info)."""
+        """What a client, a gateway or a benchmark record needs to know of this server (SGLang has
+        /get_server_info): the model's name, the limits a request must keep to, and how it drafts. No file
+        paths and no device settings."""
+        spec, sched = config.engine.spec, config.engine.scheduler
         return {"model": model_name, "version": __version__, "max_model_len": engine.context_length,
+                "max_running_requests": sched.max_running_requests, "max_queued_requests": sched.max_queued_requests,
+                "max_request_body_bytes": config.max_request_body_bytes,
                 "speculative_acceptance_simulated": simulated,
-                **dataclasses.asdict(config.engine)}
+                "spec": {"algorithm": spec.algorithm, "num_steps": spec.num_steps, "eagle_topk": spec.eagle_topk,
+                         "num_draft_tokens": spec.num_draft_tokens, "adaptive": spec.adaptive,
+                         "simulate_accept_len": spec.simulate_accept_len}}
+
+    # Tokenizing a long prompt takes a while: it runs on a thread of its own, so /health and the streams in flight
+    # keep their event loop. One thread, as the fast tokenizer's split_special_tokens is state (specserve/llm.py).
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    longest = _longest_token(engine.tokenizer)
+
+    async def tokenize(fn, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
 
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
         _check_request(body, vocab_size)
-        prompt_ids = _completion_prompt(engine.tokenizer, body.prompt)
+        prompt_ids = await tokenize(_completion_prompt, engine.tokenizer, body.prompt, engine.context_length, longest)
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=False, model_name=model_name,
                             simulated=simulated)
 
@@ -83,7 +104,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
         _check_request(body, vocab_size)
-        prompt_ids = _chat_prompt(engine.tokenizer, body)
+        prompt_ids = await tokenize(_chat_prompt, engine.tokenizer, body, engine.context_length, longest)
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name,
                             simulated=simulated)
 
@@ -97,7 +118,23 @@ def _check_model(requested: str, served: str) -> None:
                        "NotFoundError", "model")
 
 
-def _completion_prompt(tokenizer, prompt) -> list[int]:
+def _longest_token(tokenizer) -> int:
+    """The most characters of text one token stands for, at most (a byte-level token's string has a character
+    per byte, and a text has no more characters than bytes)."""
+    if tokenizer is None:
+        return 1
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t is not None)
+
+
+def _check_chars(chars: int, context: int, longest: int, param: str) -> None:
+    """Refuses, before tokenizing it, a text too long to be under `context` tokens: it has at least
+    chars / longest tokens. The factor 4 leaves room for normalizers that join characters (NFKC)."""
+    if chars > 4 * context * longest:
+        raise APIError(400, f"the prompt has {chars} characters, more than a context of {context} tokens holds",
+                       param=param)
+
+
+def _completion_prompt(tokenizer, prompt, context: int, longest: int) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported", param="prompt")
@@ -105,19 +142,25 @@ def _completion_prompt(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
+        _check_chars(len(prompt), context, longest, "prompt")
         return tokenizer.encode(prompt)
     return list(prompt)
 
 
-def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(tokenizer, body: ChatCompletionRequest, context: int, longest: int) -> list[int]:
     if tokenizer is None or tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template", param="messages")
-    messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
+    messages = [{"role": _ROLES[m.role], "content": _text_of(m.content)} for m in body.messages]
+    _check_chars(sum(len(m["content"]) for m in messages), context, longest, "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return chat_prompt_ids(tokenizer, messages)
     except Exception as exc:  # jinja raises for conversations the template refuses
         raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# The roles a chat template is given. OpenAI's `developer` messages take the place of system messages; `tool`
+# messages wait for tool calling.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _text_of(content) -> str:
@@ -379,9 +422,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(500, f"internal error: {type(err).__name__}", "InternalServerError"))
 
 
+# Open with --api-key too, as in SGLang: probes and Prometheus scrapers rarely hold a key, and neither route
+# shows a prompt, a path or a setting (/health says ok or why not; /metrics, counts and latencies).
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 def _install_auth(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path not in _OPEN_PATHS and not hmac.compare_digest(given, expected):
             return _error_response(APIError(401, "invalid or missing API key", "AuthenticationError"))
         return await call_next(request)

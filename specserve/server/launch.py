@@ -12,6 +12,7 @@ from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.factory import context_length, resolve_model
 from specserve.llm import load_tokenizer
 from specserve.server.api import build_app
+from specserve.server.limits import h11_protocol
 from specserve.server.metrics import Metrics
 
 
@@ -29,4 +30,4 @@ def serve(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = create_app(config)
     logging.getLogger(__name__).info("serving on http://%s:%d", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", http=h11_protocol(config.request_read_timeout))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,7 +46,9 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str
+    # Any other role would go into the template verbatim, "system<|im_end|>..." included; `tool` waits for tool
+    # calling, and `developer` is read as `system` (server/api.py).
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict] | None = None
 
 
