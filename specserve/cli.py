@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds to let requests in flight finish (0: end them at once)")
     serve.add_argument("--max-request-body-bytes", type=_at_least(1), default=4 * 1024 * 1024,
                        help="larger request bodies get a 413 before they are read")
     serve.add_argument("--request-read-timeout", type=float, default=30.0,
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # The key may come from the environment, where `ps` does not show it.
         serve(ServerConfig(args.host, args.port, args.api_key or envs.get().api_key or None, args.served_model_name,
-                           engine_config(args, bundled_head=True),
+                           engine_config(args, bundled_head=True), shutdown_timeout=args.shutdown_timeout,
                            max_request_body_bytes=args.max_request_body_bytes,
                            request_read_timeout=args.request_read_timeout))
     elif args.command == "generate":

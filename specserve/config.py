@@ -188,6 +188,7 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    shutdown_timeout: float = 30.0  # seconds a SIGTERM/SIGINT lets requests in flight finish (vLLM's name)
     # What one client can make the front-end hold (server/limits.py): a body's bytes, and the seconds a request's
     # headers, then its body, may take to arrive.
     max_request_body_bytes: int = 4 * 1024 * 1024

@@ -12,10 +12,11 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from specserve.config import EngineConfig
 from specserve.engine.engine import EngineStats, TokenDelta
@@ -26,8 +27,14 @@ log = logging.getLogger(__name__)
 
 
 def run_engine_core(config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> None:
-    """Entry point of the engine-core process."""
+    """Entry point of the engine-core process. It exits when the front-end says "shutdown" or is gone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    # The front-end owns this process's lifetime. Ctrl-C reaches the whole process group, and so does a
+    # supervisor's SIGTERM (systemd's default KillMode): the front-end drains its streams and then stops the
+    # engine, which must not die under them first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent(os.getppid())
     try:
         from specserve.engine.factory import build_engine_core
 
@@ -58,6 +65,19 @@ def run_engine_core(config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> 
         outbox.put(("step", deltas, core.stats()))
 
 
+def _exit_with_parent(parent: int, period: float = 0.5) -> None:
+    """Ends this process soon after the front-end is gone (SIGKILL gives it no chance to say goodbye), whatever
+    the main thread is doing: stepping, or blocked on a full pipe to a reader that no longer exists."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        log.error("the front-end (pid %d) is gone; the engine exits", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 def _wait_for_message(inbox: mp.Queue, parent: int) -> list:
     # Wake up now and then to notice a front-end that died without saying goodbye (SIGKILL), so the
     # engine process never outlives it.
@@ -80,6 +100,10 @@ def _drain(inbox: mp.Queue) -> list:
 
 class EngineError(Exception):
     pass
+
+
+class QueueFull(EngineError):
+    """The server holds as many requests as it may (running plus queued)."""
 
 
 @dataclass
@@ -113,6 +137,8 @@ class AsyncEngine:
         self._process: mp.Process | None = None
         self._inbox: mp.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Called (on the event loop) once the engine fails to load or dies; the server then exits non-zero.
+        self.on_failure: Callable[[str], None] = lambda error: None
 
     # -- lifecycle ----------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -125,13 +151,17 @@ class AsyncEngine:
         self._process.start()
         threading.Thread(target=self._read_outbox, args=(outbox,), daemon=True, name="engine-reader").start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        failed = self.state == "failed"
+        self.state = "stopped"
         if self._process is not None and self._process.is_alive():
             self._inbox.put(("shutdown",))
-            self._process.join(timeout=10)
+            self._process.join(timeout=timeout)
             if self._process.is_alive():
                 self._process.kill()
-        self.state = "stopped"
+                self._process.join(timeout=5)
+        if failed:
+            self.state = "failed"
 
     def is_healthy(self) -> bool:
         return self.state == "ready" and self._process is not None and self._process.is_alive()
@@ -141,34 +171,41 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests -----------------------------------------------------------
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[tuple[str, RequestOutput]]:
-        """Yields (text delta, output so far) until the request finishes. Aborts it if the caller stops early."""
+    def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_in_flight: int | None = None
+    ) -> "Generation":
+        """Admits the request now, or raises QueueFull when `max_in_flight` requests are already held, and returns
+        an async iterator of (text delta, output so far) until it finishes. Check and count are one synchronous
+        step, so a burst of callers cannot all pass the check before any of them is counted."""
         if not self.is_healthy():
             raise EngineError("the engine is not running")
+        if max_in_flight is not None and len(self._streams) >= max_in_flight:
+            raise QueueFull("the server's request queue is full; retry later")
         stream = _Stream(OutputTracker(self.tokenizer, request_id, prompt_ids, params))
         self._streams[request_id] = stream
         self._inbox.put(("add", request_id, prompt_ids, params))
-        try:
-            while True:
-                item = await stream.deltas.get()
-                if isinstance(item, Exception):
-                    raise item
-                text = stream.tracker.update(item.new_token_ids, item.finish_reason, item)
-                output = stream.tracker.output
-                if output.stopped_by_string and item.finish_reason is None:
-                    self.abort(request_id)
-                yield text, output
-                if output.finished:
-                    return
-        finally:
-            if self._streams.pop(request_id, None) is not None and not stream.tracker.output.finished:
-                self.abort(request_id)
+        return Generation(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
-        if self._inbox is not None:
+        if self._inbox is not None and self.state != "stopped":
             self._inbox.put(("abort", [request_id]))
+
+    def fail_all(self, message: str) -> None:
+        """Ends every request in flight with an error (their streams close with an error event)."""
+        for stream in self._streams.values():
+            stream.deltas.put_nowait(EngineError(message))
+
+    async def drain(self, timeout: float, forced: Callable[[], bool] = lambda: False) -> None:
+        """Stops admitting (/health turns 503), waits up to `timeout` seconds for the requests in flight to
+        finish, then fails those left."""
+        if self.state == "ready":
+            self.state = "draining"
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and not forced():
+            await asyncio.sleep(0.05)
+        if self._streams:
+            log.warning("shutdown: %d request(s) still running; ending them with an error", len(self._streams))
+            self.fail_all("the server is shutting down")
 
     # -- core -> front-end --------------------------------------------------
     def _read_outbox(self, outbox: mp.Queue) -> None:
@@ -188,8 +225,9 @@ class AsyncEngine:
             self.state = "ready"
             self._set_stats(message[1])
         elif kind == "failed":
-            self.state, self.error = "failed", message[1]
-            log.error("engine failed to load: %s", message[1])
+            self.state, self.error = "failed", f"the engine failed to load: {message[1]}"
+            log.error("%s", self.error)
+            self.on_failure(self.error)
         elif kind == "rejected":
             stream = self._streams.get(message[1])
             if stream is not None:
@@ -221,8 +259,55 @@ class AsyncEngine:
         self.on_stats(stats)
 
     def _on_core_exit(self) -> None:
-        if self.state != "stopped":
+        if self.state not in ("stopped", "failed"):
             self.state = "failed"
-            self.error = self.error or "the engine process exited"
-        for stream in self._streams.values():
-            stream.deltas.put_nowait(EngineError(self.error or "engine stopped"))
+            self.error = f"the engine process died (exit code {self._process.exitcode})"
+            log.error("%s; failing %d request(s) in flight", self.error, len(self._streams))
+            self.on_failure(self.error)
+        self.fail_all(self.error or "engine stopped")
+
+
+class Generation:
+    """One admitted request: `async for text, output in generation`. Closing it early (aclose, or dropping it
+    unstarted, as a response that never ran does) aborts the request in the engine."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self._engine, self._request_id, self._stream = engine, request_id, stream
+        self._done = False
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> tuple[str, RequestOutput]:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.deltas.get()
+        except BaseException:  # cancelled: the caller went away
+            self._release()
+            raise
+        if isinstance(item, Exception):
+            self._release()
+            raise item
+        tracker = self._stream.tracker
+        text = tracker.update(item.new_token_ids, item.finish_reason, item)
+        output = tracker.output
+        if output.stopped_by_string and item.finish_reason is None:
+            self._engine.abort(self._request_id)
+        if output.finished:
+            self._release()
+        return text, output
+
+    async def aclose(self) -> None:
+        self._release()
+
+    def __del__(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        held = self._engine._streams.pop(self._request_id, None) is not None
+        if held and not self._stream.tracker.output.finished:
+            self._engine.abort(self._request_id)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve import __version__
 from specserve.config import ServerConfig
-from specserve.engine.async_engine import AsyncEngine, EngineError
+from specserve.engine.async_engine import AsyncEngine, EngineError, QueueFull
 from specserve.engine.output import RequestOutput
 from specserve.core import SamplingParams
 from specserve.llm import chat_prompt_ids
@@ -250,11 +250,16 @@ async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int
         raise APIError(503, "the model is still loading or the engine is down", "ServiceUnavailableError")
     params = _sampling_params(body, len(prompt_ids), engine.context_length)
     _check_fits_in_pool(engine, len(prompt_ids), params)
-    if engine.num_in_flight >= limit:
-        raise APIError(429, "the server's request queue is full; retry later", "RateLimitError")
-    metrics.prompt_tokens.inc(len(prompt_ids))
     request_id = new_id("chatcmpl" if chat else "cmpl")
-    results = engine.generate(request_id, prompt_ids, params)
+    try:  # admission: the engine checks the limit and counts the request in one step
+        results = engine.generate(request_id, prompt_ids, params, max_in_flight=limit)
+    except QueueFull as exc:
+        response = _error_response(APIError(429, str(exc), "RateLimitError"))
+        response.headers["Retry-After"] = "1"
+        return response
+    except EngineError as exc:
+        raise APIError(503, str(exc), "ServiceUnavailableError") from exc
+    metrics.prompt_tokens.inc(len(prompt_ids))
     shape = _ChunkShape(request_id, model_name, chat, simulated)
     if body.stream:
         return StreamingResponse(_sse(results, shape, body.include_usage), media_type="text/event-stream")
