@@ -39,7 +39,6 @@ class _Request(BaseModel):
         _reject_lone_surrogates(data)
         return data
 
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -61,7 +60,6 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict | None = None
     functions: list | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
-
 
 
 class CompletionRequest(_Request):
