@@ -44,9 +44,8 @@ def run_engine_core(config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> 
         outbox.put(("failed", f"{type(exc).__name__}: {exc}"))
         return
     outbox.put(("ready", core.stats()))
-    parent = os.getppid()
     while True:
-        messages = [] if core.has_work() else _wait_for_message(inbox, parent)
+        messages = [] if core.has_work() else [inbox.get()]  # a gone front-end: _exit_with_parent
         messages += _drain(inbox)
         deltas: list[TokenDelta] = []
         for message in messages:
@@ -76,17 +75,6 @@ def _exit_with_parent(parent: int, period: float = 0.5) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
-def _wait_for_message(inbox: mp.Queue, parent: int) -> list:
-    # Wake up now and then to notice a front-end that died without saying goodbye (SIGKILL), so the
-    # engine process never outlives it.
-    while True:
-        try:
-            return [inbox.get(timeout=1.0)]
-        except queue.Empty:
-            if os.getppid() != parent:
-                return [("shutdown",)]
 
 
 def _drain(inbox: mp.Queue) -> list:
