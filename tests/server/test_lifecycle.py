@@ -16,7 +16,10 @@ import pytest
 
 from server_process import free_port
 
-LONG = 1000  # tokens: a stream that outlasts every wait below
+# Tokens of a stream that outlasts every wait below: the tiny model makes a thousand tokens in well under a
+# second on an idle CPU, so a stream must be far longer than that (`long_context_model`).
+LONG = 30000
+BURST = 1000  # tokens of each burst request: enough to keep it running while the burst arrives
 
 
 class Server:
@@ -27,7 +30,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(model), "--port", str(self.port),
-               "--served-model-name", "tiny", "--max-total-tokens", "8192", "--page-size", "8", *args]
+               "--served-model-name", "tiny", "--max-total-tokens", "65536", "--page-size", "8", *args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if wait_healthy:
@@ -98,12 +101,26 @@ def _wait_until(predicate, timeout: float) -> float | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def long_context_model(tiny_chat_model, tmp_path_factory):
+    """The tiny chat model with room for a stream of LONG tokens (its weights are random: positions past the
+    original context change nothing these tests look at)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-chat-long") / "model"
+    shutil.copytree(tiny_chat_model, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 2 * LONG
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture
-def serve(tiny_chat_model, tmp_path):
+def serve(long_context_model, tmp_path):
     started = []
 
     def start(*args: str, **kwargs) -> Server:
-        started.append(Server(tiny_chat_model, tmp_path, *args, **kwargs))
+        started.append(Server(long_context_model, tmp_path, *args, **kwargs))
         return started[-1]
 
     yield start
@@ -164,7 +181,7 @@ def test_burst_admits_at_most_running_plus_queued(serve):
     lock = threading.Lock()
 
     def one() -> None:
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": LONG, "stream": True, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": BURST, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=60) as client:  # a fresh connection each
             barrier.wait()
             with client.stream("POST", server.base + "/v1/completions", json=body) as response:
@@ -243,7 +260,7 @@ def test_sigterm_drains_for_the_timeout_then_ends_streams_with_an_error(serve):
     """SIGTERM lets the stream run for --shutdown-timeout, then ends it with an error event and [DONE]; the
     server exits 0 and takes the engine with it. (Before: no bound; it waited for the whole stream.)"""
     server = serve("--shutdown-timeout", "1")
-    stream = Stream(server.base, max_tokens=900)
+    stream = Stream(server.base)
     assert stream.first_token.wait(30) and stream.status == 200
     engine = server.engine_pid()
     os.kill(server.proc.pid, signal.SIGTERM)
