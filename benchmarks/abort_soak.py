@@ -218,13 +218,13 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--device", args.device,
-               *(["--model-path", args.model_path] if args.model_path else []), *shlex.split(args.server_flags)]
-    env = {**os.environ, **({"SPECSERVE_API_KEY": args.api_key} if args.api_key else {})}
+               *(["--model-path", args.model_path] if args.model_path else []),
+               *(["--api-key", args.api_key] if args.api_key else []), *shlex.split(args.server_flags)]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     log = Path(tempfile.gettempdir()) / f"specserve-abort-soak-{port}.log"
     started = time.monotonic()
     with log.open("w") as sink:  # the child keeps its own copy of the descriptor
-        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_healthy(base, server)
         result = asyncio.run(soak(args, base, server, headers))
