@@ -7,6 +7,7 @@ per-step inputs live in one device buffer (one upload); rows of a step launched 
 """
 from __future__ import annotations
 
+import abc
 import bisect
 import random
 from dataclasses import dataclass, replace
@@ -44,7 +45,7 @@ class ProgramSetup:
     progress: bool = True
 
 
-class SpecGraphs:
+class SpecGraphs(abc.ABC):
     """What chain and tree programs share: per-step inputs in one device buffer (one upload), graphs captured
     per (batch bucket, context bucket), a launch that replays (or, on a CPU or with sampled rows, runs) the
     program and leaves each sequence's new tokens packed for one read-back, and rows that follow the last
@@ -66,9 +67,9 @@ class SpecGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # per graph: its packed tokens and counts
 
+    @abc.abstractmethod
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """Per-step input name -> (shape at the largest batch, which axis is the batch)."""
-        raise NotImplementedError
 
     def _allocate(self) -> None:
         """The per-step inputs are views of one device buffer, so a step uploads them in one copy."""
@@ -290,13 +291,13 @@ class SpecGraphs:
         put_where(self.root_ids[:bs], on[:, 0], last[:, :w].gather(1, accepted)[:, 0])
         self._follow_root(bs, on, self.last_root[src] + accepted[:, 0] + 1, table)
 
+    @abc.abstractmethod
     def _follow_root(self, bs: int, on: torch.Tensor, root: torch.Tensor, table: torch.Tensor) -> None:
         """Writes the inputs that follow from each following row's root position [bs]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _roots(self, bs: int) -> torch.Tensor:
         """Each row's root position in this step, for a step that follows it."""
-        raise NotImplementedError
 
     def _upload(self, rows: dict[str, np.ndarray], tables: np.ndarray, bs: int, n: int) -> None:
         if self._uploaded is not None:
