@@ -1,0 +1,63 @@
+"""Mixture-of-experts math: each token through the SiLU-gated MLPs of the experts its router chose, weighted and
+summed.
+
+One MoE layer's experts are stacked: `w13` [E, 2I, H] (each expert's gate rows, then its up rows) and `w2`
+[E, H, I]. The token-expert pairs are sorted by expert, so each touched expert runs once over all the rows
+routed to it: its weights are read once per call, however many rows chose it, which is what decode and verify
+steps (few rows, many experts) are bound by.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import pointwise
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], topk_weights [T, k] (fp32), topk_ids [T, k] -> [T, H] in x's dtype: for each token,
+    sum over its k experts e of weight * w2[e] @ silu_and_mul(w13[e] @ x)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return gathered_experts(x, w13, w2, topk_weights, topk_ids)
+    return eager_fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+def eager_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_experts` in PyTorch, the form kernels are held to: pairs sorted by expert (stably, so each expert
+    sees its rows in token order), one pair of matmuls per touched expert. Reads the per-expert row counts on
+    the host, so it cannot run inside a CUDA graph."""
+    num_tokens, k = topk_ids.shape
+    pair_experts = topk_ids.reshape(-1)
+    order = torch.argsort(pair_experts, stable=True)
+    rows = x[order // k]  # the token of each pair, in expert order
+    out = torch.empty(num_tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(torch.bincount(pair_experts, minlength=w13.shape[0]).tolist()):
+        if count:
+            chosen = rows[start:start + count]
+            out[order[start:start + count]] = F.linear(pointwise.silu_and_mul(F.linear(chosen, w13[expert])),
+                                                       w2[expert])
+            start += count
+    return _weighted_sum(out, topk_weights, x.dtype)
+
+
+def gathered_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_experts` without a host sync, for CUDA graphs without the fused kernel: each pair gathers its
+    expert's weights, so an expert chosen by n rows is read n times."""
+    num_tokens, k = topk_ids.shape
+    pair_experts = topk_ids.reshape(-1)
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    gate_up = torch.bmm(w13[pair_experts], rows).squeeze(-1)
+    out = torch.bmm(w2[pair_experts], pointwise.silu_and_mul(gate_up).unsqueeze(-1)).squeeze(-1)
+    return _weighted_sum(out, topk_weights, x.dtype)
+
+
+def _weighted_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T*k, H] expert outputs in token-major pair order -> [T, H]: weighted and summed in fp32, over k in a
+    fixed order (no atomics, so a step's output does not depend on the run)."""
+    num_tokens, k = topk_weights.shape
+    pairs = pair_out.view(num_tokens, k, -1).float()
+    return (pairs * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(dtype)
