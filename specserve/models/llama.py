@@ -87,10 +87,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, form: AttentionForm) -> None:
+    def __init__(self, cfg: ModelConfig, form: AttentionForm, mlp: nn.Module | None = None) -> None:
+        """`mlp` replaces the dense MLP (a MoE block); it is called as `MLP` is: mlp(x, norm=None, add=None)."""
         super().__init__()
         self.self_attn = Attention(cfg, form)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -117,8 +118,10 @@ class DecoderLayer(nn.Module):
         (rounded once, to the weight's dtype), and the norm keeps ones. Where a GEMV folds the norm in, it then
         only scales its output rows (kernels/triton/gemv.py). Projections with a bias never take the GEMV, so
         theirs stay."""
-        for norm, proj in ((self.input_layernorm, self.self_attn.qkv_proj),
-                           (self.post_attention_layernorm, self.mlp.gate_up_proj)):
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, MLP):  # a MoE block's router and experts both read its norm's output: it stays
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        for norm, proj in pairs:
             if proj.bias is None:
                 proj.weight.copy_(proj.weight.float() * norm.weight.float())
                 norm.weight.fill_(1.0)
@@ -133,7 +136,7 @@ class LlamaForCausalLM(nn.Module, CausalLM):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         form = self.attention_form(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, form) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, form, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -144,6 +147,11 @@ class LlamaForCausalLM(nn.Module, CausalLM):
     def attention_form(cfg: ModelConfig) -> AttentionForm:
         """Llama's `attention_bias` puts biases on q, k, v and o alike."""
         return AttentionForm(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
+
+    @staticmethod
+    def decoder_layer(cfg: ModelConfig, form: AttentionForm, index: int) -> DecoderLayer:
+        """Decoder layer `index`; an architecture whose layers differ (MoE in some) overrides this."""
+        return DecoderLayer(cfg, form)
 
     def forward(
         self,

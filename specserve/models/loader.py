@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -12,6 +13,7 @@ from tqdm import tqdm
 
 from specserve.config import ModelConfig
 from specserve.layers.linear import Linear, can_prepack, norms_go_in_weights, prepack_linears
+from specserve.layers.moe import FusedExperts
 from specserve.models.base import CausalLM, NormFoldable
 from specserve.models.registry import model_class, model_config
 
@@ -102,7 +104,7 @@ def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Ten
             buffers[target].copy_(tensor)
             loaded.add(target)
             continue
-        _copy_into(params[target], tensor, shard, _shard_sizes(cfg, target))
+        _copy_into(params[target], tensor, shard, cfg, target)
         loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(cfg, params, loaded)
 
@@ -112,30 +114,46 @@ def _model_config(model: torch.nn.Module) -> ModelConfig:
     return getattr(model.config, "model", model.config)
 
 
-def _target_of(stacked: dict, cfg: ModelConfig, name: str) -> tuple[str | None, int | None]:
+# One routed expert's projection: `layers.3.mlp.experts.17.gate_proj.weight`.
+_EXPERT_NAME = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+
+# A shard: a block of output rows of a fused parameter, or (expert, block or None) of a stacked expert weight.
+Shard = int | tuple[int, int | None] | None
+
+
+def _target_of(stacked: dict, cfg: ModelConfig, name: str) -> tuple[str | None, Shard]:
     name = name.removeprefix("model.")
     if "rotary_emb" in name:
         return None, None
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, None
+    expert = _EXPERT_NAME.fullmatch(name)
+    if expert and expert[3] in FusedExperts.CHECKPOINT_NAMES:  # into the layer's FusedExperts
+        stacked_name, block = FusedExperts.CHECKPOINT_NAMES[expert[3]]
+        return f"{expert[1]}.{stacked_name}", (int(expert[2]), block)
     for ckpt_name, (fused, shard) in stacked.items():
         if f".{ckpt_name}." in name:
             return name.replace(ckpt_name, fused), shard
     return name, None
 
 
-def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: Shard, cfg: ModelConfig, name: str) -> None:
+    dest = param.data
+    if isinstance(shard, tuple):  # one expert's slice of the stacked weights
+        expert, shard = shard
+        dest = dest[expert]
     if shard is None:
-        param.data.copy_(tensor)
+        dest.copy_(tensor)
     else:
-        param.data.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+        sizes = _shard_sizes(cfg, name, dest.shape[0])
+        dest.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
 
 
-def _shard_sizes(cfg: ModelConfig, fused_name: str) -> list[int]:
+def _shard_sizes(cfg: ModelConfig, fused_name: str, rows: int) -> list[int]:
     if "qkv_proj" in fused_name:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return [q, kv, kv]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+    return [rows // 2, rows // 2]  # [gate; up], of an MLP or of one expert
 
 
 def _check_complete(cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
@@ -147,6 +165,9 @@ def _check_complete(cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: s
             expected |= {f"{name}#{i}" for i in range(3)}
         elif name.endswith("gate_up_proj.weight"):
             expected |= {f"{name}#{i}" for i in range(2)}
+        elif name.endswith((".experts.w13", ".experts.w2")):
+            blocks = {b for s, b in FusedExperts.CHECKPOINT_NAMES.values() if name.endswith(s)}
+            expected |= {f"{name}#{(e, b)}" for e in range(params[name].shape[0]) for b in blocks}
         else:
             expected.add(name)
     missing = expected - loaded
