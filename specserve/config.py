@@ -10,13 +10,54 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 style frequency scaling ('llama3'), or plain position interpolation ('linear')."""
+    """Llama 3.1 style frequency scaling ('llama3'), plain position interpolation ('linear'), or YaRN ('yarn',
+    as DeepSeek-V3 and Kimi-K2 configs use it: `beta_*` bound the blended band, `mscale*` scale the angles'
+    cos/sin and, in MLA, the softmax)."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # YaRN's cos/sin scale; None: from factor and the mscales
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): keys and values come from a per-token latent of
+    `kv_lora_rank` values plus one shared rotary key of `qk_rope_head_dim`, which is all the KV cache keeps."""
+
+    q_lora_rank: int | None  # None: queries straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rotary pairs stored interleaved (x0, x1), (x2, x3) as DeepSeek's weights are
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts (plus shared experts that every token passes through) in the layers `sparse_layers`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert; a shared block is `num_shared_experts` times as wide
+    sparse_layers: tuple[int, ...]
+    norm_topk_prob: bool = True
+    scoring_func: str = "softmax"  # or "sigmoid", with a per-expert score correction bias (DeepSeek-V3)
+    num_shared_experts: int = 0
+    n_group: int = 1  # grouped top-k: experts come from the `topk_group` groups with the best scores
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -41,12 +82,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+
+    @property
+    def kv_entry_shape(self) -> tuple[int, int, int]:
+        """What one token's KV occupies in one layer of the pool: (planes, heads, dim). Dense attention keeps
+        keys and values, (2, kv heads, head dim); MLA keeps its latent and rotary key, (1, 1, latent dim)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        mla = _mla(cfg)
+        # MLA's values are its heads' outputs: a draft head shaped like one of its layers takes their width.
+        head_dim = mla.v_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -67,7 +120,45 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            mla=mla,
+            moe=_deepseek_moe(cfg) or _qwen_moe(cfg),
         )
+
+
+def _mla(cfg: dict[str, Any]) -> MLAConfig | None:
+    if cfg.get("kv_lora_rank") is None:
+        return None
+    return MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                     qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                     v_head_dim=cfg["v_head_dim"], rope_interleave=cfg.get("rope_interleave", True))
+
+
+def _deepseek_moe(cfg: dict[str, Any]) -> MoEConfig | None:
+    """DeepSeek-V3's experts: layers from `first_k_dense_replace` on, every `moe_layer_freq`-th, are MoE."""
+    if not cfg.get("n_routed_experts"):
+        return None
+    first, every = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+    return MoEConfig(
+        num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"],
+        sparse_layers=tuple(i for i in range(cfg["num_hidden_layers"]) if i >= first and i % every == 0),
+        # Sigmoid scores whatever `scoring_func` says, as transformers' DeepseekV3 router has them.
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), scoring_func="sigmoid",
+        num_shared_experts=cfg.get("n_shared_experts") or 0, n_group=cfg.get("n_group") or 1,
+        topk_group=cfg.get("topk_group") or 1, routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+
+
+def _qwen_moe(cfg: dict[str, Any]) -> MoEConfig | None:
+    """Qwen-MoE's experts: layer i is MoE where (i + 1) % `decoder_sparse_step` == 0, unless `mlp_only_layers`
+    lists it. transformers 5 writes `num_experts` as `num_local_experts`."""
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not num_experts:
+        return None
+    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    return MoEConfig(
+        num_experts=num_experts, top_k=cfg["num_experts_per_tok"], intermediate_size=cfg["moe_intermediate_size"],
+        sparse_layers=tuple(i for i in range(cfg["num_hidden_layers"]) if (i + 1) % step == 0 and i not in dense),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), scoring_func="softmax")
 
 
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -84,14 +175,24 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":
         return None
-    if rope_type not in ("llama3", "linear"):
+    if rope_type not in ("llama3", "linear", "yarn"):
         raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    original = int(params.get("original_max_position_embeddings", 8192))
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn":  # as transformers: the ratio of the two context lengths
+        factor = cfg.get("max_position_embeddings", original) / original
     return RopeScaling(
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

@@ -17,6 +17,17 @@ TINY_BASE = dict(
     eos_token_id=2,
 )
 
+# DeepSeek-V3: layer 0 dense (first_k_dense_replace), then MoE layers of eight experts in groups with shared
+# experts; MLA with values narrower than the keys; YaRN with both mscales, so the angles and the softmax scale
+# are both corrected.
+_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, moe_intermediate_size=32,
+    n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+    rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                  "mscale_all_dim": 0.7, "original_max_position_embeddings": 128},
+)
+
 TINY_CONFIGS = {
     "llama": dict(
         model_type="llama",
@@ -30,6 +41,8 @@ TINY_CONFIGS = {
     "llama-tied": dict(model_type="llama", tie_word_embeddings=True, attention_bias=True),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=False, rope_theta=1000000.0),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32),
+    "deepseek-v3": dict(_DEEPSEEK_V3, q_lora_rank=None, n_shared_experts=1, n_group=2, topk_group=1),
+    "deepseek-v3-qlora": dict(_DEEPSEEK_V3, q_lora_rank=48, n_shared_experts=2, n_group=4, topk_group=2),
 }
 
 

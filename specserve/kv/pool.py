@@ -7,7 +7,9 @@ from specserve.config import CacheConfig, ModelConfig
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    """Every layer's entry (`ModelConfig.kv_entry_shape`: a dense model's keys and values, or MLA's latent)."""
+    planes, heads, dim = cfg.kv_entry_shape
+    return cfg.num_layers * planes * heads * dim * torch.empty((), dtype=dtype).element_size()
 
 
 def plan_num_pages(per_token: int, cache: CacheConfig, free_bytes: int) -> int:
@@ -22,4 +24,7 @@ def plan_num_pages(per_token: int, cache: CacheConfig, free_bytes: int) -> int:
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_slots: int, dtype, device) -> torch.Tensor:
-    return torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    """[layers, planes, slots, heads, dim]: slots stay the third dimension whatever a layer keeps per token, so
+    moving a token's KV (`kv_cache[:, :, dst] = kv_cache[:, :, src]`) is one form for every model."""
+    planes, heads, dim = cfg.kv_entry_shape
+    return torch.zeros(cfg.num_layers, planes, num_slots, heads, dim, dtype=dtype, device=device)

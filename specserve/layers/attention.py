@@ -311,7 +311,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
     """Gathers each sequence's context from its slots (or, for fresh prompts, takes the step's own keys
     and values) and runs SDPA over the padded batch. On CPU, short causal queries skip the gather and the
     padding: the compiled kernel reads the slots in place."""
-    kernels = cpu_kernels.kernels() if group.token_seq is not None and kv_cache.dtype == torch.float32 else None
+    # The kernel reads planes laid out one after the other; MLA's latent plane, passed as keys and values
+    # both (layers/mla.py), is gathered here instead.
+    direct = group.token_seq is not None and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+    kernels = cpu_kernels.kernels() if direct else None
     if kernels is not None and q.shape[-1] % 8 == 0:
         out = kernels.paged_attention(q, kv_cache, group.kv_slots, group.token_seq, group.token_kv_len, scale)
         return out.view(q.shape[0], -1)

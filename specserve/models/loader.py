@@ -96,9 +96,10 @@ def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Ten
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     loaded: set[str] = set()
+    skips = getattr(model, "skips_checkpoint_tensor", lambda name: False)  # tensors a model has no use for
     for name, tensor in tqdm(weights, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         target, shard = _target_of(model.stacked_params, cfg, name)
-        if target is None:
+        if target is None or skips(name):
             continue
         if target in buffers and target not in params:  # e.g. an EAGLE-3 head's d2t / t2d maps
             buffers[target].copy_(tensor)

@@ -16,8 +16,15 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_key_value_heads=2)
 
 
+# What an architecture needs beyond a Llama's fields.
+TINY_EXTRA = {
+    "DeepseekV3ForCausalLM": dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                  v_head_dim=8),
+}
+
+
 def _build(architecture: str, **hf) -> torch.nn.Module:
-    cfg = model_config({**TINY, "architectures": [architecture], **hf})
+    cfg = model_config({**TINY, **TINY_EXTRA.get(architecture, {}), "architectures": [architecture], **hf})
     return build_model(cfg, None, torch.float32, torch.device("cpu"), 32, progress=False)
 
 

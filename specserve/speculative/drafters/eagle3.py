@@ -52,8 +52,14 @@ class Eagle3Drafter:
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.taps[dst] = self.taps[src]
 
-    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        passes, chunks = split_catch_up([eagle3_catch_up(s) for s in seqs])
+    def catch_up(self, seqs: list[ScheduledSeq], page_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rows for the sequences with tokens to feed: every drafting one has. A one-token prompt has none until
+        its first output (position 0 pairs the taps of token 0 with token 1), and is left out."""
+        chunks = [eagle3_catch_up(s) for s in seqs]
+        seqs = [s for s, (ids, _) in zip(seqs, chunks) if ids]
+        if not seqs:
+            return None, None
+        passes, chunks = split_catch_up([chunk for chunk in chunks if chunk[0]])
         for pieces in passes:
             self._extend_over([(ids, p) for _, ids, p in pieces], [seqs[b] for b, _, _ in pieces], page_size)
         out, last = self._extend_over(chunks, seqs, page_size)

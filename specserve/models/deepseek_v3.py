@@ -1,0 +1,144 @@
+"""DeepSeek-V3 decoder (DeepSeek-V3/R1, Kimi-K2, Moonlight): multi-head latent attention (layers/mla.py) over a
+cache of latents, and mixture-of-experts MLPs with shared experts in every layer of `MoEConfig.sparse_layers`
+(dense MLPs in the `first_k_dense_replace` layers before them).
+
+Routing is DeepSeek-V3's "noaux_tc": sigmoid scores; a per-expert correction bias shifts which experts are chosen
+but not their weights; experts come only from the `topk_group` groups whose two best biased scores sum highest;
+the chosen weights are renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig, MoEConfig
+from specserve.layers.attention import AttentionMetadata
+from specserve.layers.linear import Linear
+from specserve.layers.mla import MultiHeadLatentAttention
+from specserve.layers.moe import FusedExperts
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+from specserve.models.base import CausalLM, StackedParams
+from specserve.models.llama import MLP
+
+# MLA's projections stay apart (q_proj is the queries', not part of a fused qkv); only gate/up fuse.
+STACKED_PARAMS: StackedParams = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-V3's router: `weight` [E, H] and `e_score_correction_bias` [E], both applied in fp32."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, expert ids [T, k] int64) of x [T, H]."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        return grouped_topk(scores, self.e_score_correction_bias.float(), self.moe)
+
+
+def grouped_topk(scores: torch.Tensor, bias: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chooses top_k experts of `scores` [T, E] by their biased scores, from the best `topk_group` of `n_group`
+    groups, and weighs them by their unbiased scores."""
+    biased = scores + bias
+    if moe.n_group > 1:
+        tokens, per_group = scores.shape[0], moe.num_experts // moe.n_group
+        group_scores = biased.view(tokens, moe.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        best_groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = biased.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = biased.topk(moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.gate = GroupedTopKRouter(cfg.hidden_size, moe)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.shared_experts = None
+        if moe.num_shared_experts:  # one MLP as wide as all shared experts together
+            self.shared_experts = MLP(replace(cfg, intermediate_size=moe.intermediate_size * moe.num_shared_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else self.shared_experts(x, add=out)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadLatentAttention(cfg)
+        sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
+        self.mlp = DeepseekV3MoE(cfg) if sparse else MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, rotary, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream arrives split in two, x + residual (residual None: x is all of it), and leaves
+        the same way: each add is folded into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DeepseekV3ForCausalLM(nn.Module, CausalLM):
+    stacked_params = STACKED_PARAMS
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        if cfg.mla is None:
+            raise ValueError("DeepseekV3ForCausalLM needs MLA settings (kv_lora_rank and the head dims)")
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """DeepSeek-V3's checkpoints carry multi-token-prediction layers after the last decoder layer
+        (`model.layers.61.*`); they draft, and nothing here reads them."""
+        parts = name.removeprefix("model.").split(".")
+        return parts[0] == "layers" and int(parts[1]) >= self.config.num_layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, 1, num_slots, 1, kv_lora_rank + qk_rope_head_dim]
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final normed hidden states and the outputs of the layers in `capture_layers`, in that
+        order (a layer may be named twice)."""
+        x, residual = self.embed_tokens(input_ids), None
+        outputs = {}
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache[i], meta)
+            if i in capture_layers:
+                outputs[i] = x + residual
+        return self.norm(x, residual)[0], [outputs[i] for i in capture_layers]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
