@@ -15,6 +15,13 @@ from dataclasses import dataclass, field
 # past any temperature in use; it keeps out infinities and absurd values such as 1e9.
 MAX_TEMPERATURE = 100.0
 MAX_INT64 = 2**63 - 1
+# Top alternatives per token that `logprobs` may ask for (vLLM's default cap; OpenAI's chat allows 20).
+MAX_LOGPROBS = 20
+# OpenAI's ranges: penalties in [-2, 2], logit_bias values in [-100, 100]. A repetition penalty (HF's, a
+# divisor of positive logits) must be positive; past 100 it is no longer a penalty but a ban.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -29,11 +36,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Penalties as vLLM applies them: presence and frequency over the output so far, repetition (HF's: positive
+    # logits divided by it, negative ones multiplied) over prompt and output. Then `logit_bias` is added.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted too
+    # Log-probabilities of each emitted token under the target (its raw logits, before penalties and
+    # temperature), with this many top alternatives; None: not computed.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs so params stay hashable and picklable as one value.
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         errors = self.validation_errors()
         if errors:
             raise ValueError("; ".join(errors))
@@ -51,11 +69,33 @@ class SamplingParams:
             errors.append(f"min_p must be in [0, 1], got {self.min_p}")
         if not -1 <= self.top_k <= MAX_INT64:
             errors.append(f"top_k must be -1 or 0 (disabled) or a positive 64-bit integer, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                errors.append(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            errors.append(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        errors.extend(f"logit_bias for token {t} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b}"
+                      for t, b in self.logit_bias if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)
+        errors.extend(f"logit_bias names token {t}, which is negative" for t, _ in self.logit_bias if t < 0)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            errors.append(f"logprobs (top alternatives) must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return errors
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or a bias change the target's logits before sampling and verification."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    @property
+    def needs_host_logits(self) -> bool:
+        """Whether the step must see this request's logit rows (adjusting them, or reporting log-probabilities):
+        the fixed-shape step programs and overlapped steps leave it to the general path."""
+        return self.adjusts_logits or self.logprobs is not None
 
 
 def _as_tuple(stop: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
@@ -65,6 +105,15 @@ def _as_tuple(stop: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]
         return (stop,)
     return tuple(s for s in stop if s)
 
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token, and its top alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Status(enum.Enum):
@@ -151,6 +200,10 @@ class ScheduledSeq:
     num_draft_tokens: int = 0
     draft_start_pos: int = 0
     draft_catchup_ids: list[int] = field(default_factory=list)
+    # The request's tokens (prompt, then output), where its params adjust logits from them (penalties): the
+    # sampled row sees history[:start_pos + len(token_ids)]. The request's own list, read during the step only.
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from specserve.core import FinishReason, Request, SamplingParams, ScheduledSeq, StepBatch
+from specserve.core import FinishReason, Request, SamplingParams, ScheduledSeq, StepBatch, TokenLogprob
 from specserve.engine.futures import has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.engine.scheduler import Scheduler
@@ -28,13 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    def execute(self, batch: StepBatch) -> list[list[int]]:
-        """New tokens for each sequence that samples: accepted drafts, then one sampled (bonus) token."""
-        ...
-
     def launch(self, batch: StepBatch, publish: bool = False):
-        """Queues a step (without drafts, or a chain or tree program's); returns a StepOutput whose tokens are
-        read back later."""
+        """Queues a step; returns a StepOutput (engine/runner.py): for each sequence that samples, its new tokens
+        (accepted drafts, then one sampled token) and their log-probabilities, read back when asked for. A step
+        without drafts, or a chain or tree program's, is read back later."""
         ...
 
 
@@ -54,6 +51,7 @@ class TokenDelta:
     step_accepted: int | None = None
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per new token, where the request asked
 
 
 @dataclass(frozen=True)
@@ -171,28 +169,26 @@ class EngineCore:
             self.observer.observe_step(kind == "drafting", len(batch.seqs), now - start)
 
     def _run(self, batch: StepBatch) -> list[TokenDelta]:
-        if self.overlap and not any(s.num_draft_tokens for s in batch.seqs):
+        # Drafting reads the tokens on the host, and penalties read the request's tokens so far, which under
+        # overlap may end in a placeholder: either step waits for the one in flight.
+        if self.overlap and not any(s.num_draft_tokens or s.history is not None for s in batch.seqs):
             return self._step_overlapped(batch)
-        # Drafting reads the tokens on the host, so the step in flight (if any) is read back first.
         deltas = self._read_back()
         batch = self._with_known_tokens(batch)
         if not batch.seqs:
             return deltas
         try:
-            if not self.overlap:
-                sampled = self.runner.execute(batch)
-            else:
-                output = self.runner.launch(batch)
-                if output.program_width:  # read back behind the step that follows it
-                    self.in_flight = self._program_flight(output, batch)
-                    return deltas
-                sampled = output.tokens()
+            output = self.runner.launch(batch)
+            if self.overlap and output.program_width:  # read back behind the step that follows it
+                self.in_flight = self._program_flight(output, batch)
+                return deltas
+            sampled = output.tokens()
         except Exception:
             log.exception("step failed; retrying its requests one by one")
             return deltas + self._step_each_alone(batch)
         self.timer.step_read(batch.kind)
         with self.timer.phase("postprocess"):
-            return deltas + self._postprocess(batch, sampled)
+            return deltas + self._postprocess(batch, sampled, logprobs=output.logprobs())
 
     def time_phases(self, timer) -> None:
         """Times each step's phases into `timer` (a PhaseTimer), runner phases included. With overlap the
@@ -251,12 +247,13 @@ class EngineCore:
         with self.timer.phase("wait"):
             sampled = flight.output.tokens()
         self.timer.step_read(flight.kind)
+        logprobs = flight.output.logprobs() or [None] * len(sampled)
         if flight.batch is not None:
             with self.timer.phase("postprocess"):
-                return self._postprocess(flight.batch, sampled, flight.requests, reserve)
+                return self._postprocess(flight.batch, sampled, flight.requests, reserve, logprobs)
         deltas = []
         with self.timer.phase("postprocess"):
-            for (request, index), (token,) in zip(flight.placeholders, sampled):
+            for (request, index), (token,), token_logprobs in zip(flight.placeholders, sampled, logprobs):
                 if request.finished:
                     continue  # finished or aborted after this step was launched: its token is dropped
                 self._known[request.token_ids[index]] = token
@@ -266,7 +263,8 @@ class EngineCore:
                     del request.token_ids[index + 1:]  # the placeholder of a step launched since
                     self.scheduler.finish(request, reason)
                 # Counted up to this token: a placeholder of the step in flight may follow it.
-                deltas.append(_delta(request, [token], num_output_tokens=index + 1 - request.num_prompt_tokens))
+                deltas.append(_delta(request, [token], num_output_tokens=index + 1 - request.num_prompt_tokens,
+                                     logprobs=token_logprobs))
         return deltas
 
     def _with_known_tokens(self, batch: StepBatch) -> StepBatch:
@@ -286,16 +284,19 @@ class EngineCore:
                            s.num_preemptions, s.draft_plan is not None and s.drafting_allowed)
 
     def _postprocess(self, batch: StepBatch, sampled: list[list[int]], requests: list[Request] | None = None,
-                     reserve: int = 0) -> list[TokenDelta]:
+                     reserve: int = 0, logprobs: list[list[TokenLogprob] | None] | None = None
+                     ) -> list[TokenDelta]:
         """`requests`: the batch's, for a step read back late (any may have finished since: their tokens are
-        dropped); `reserve` as in `_read_back`."""
+        dropped); `reserve` as in `_read_back`; `logprobs`: per sampling sequence, its tokens' (or None)."""
         deltas = []
         results = iter(sampled)
+        token_logprobs = iter(logprobs or [None] * len(sampled))
         for i, seq in enumerate(batch.seqs):
             request = self.scheduler.requests[seq.request_id] if requests is None else requests[i]
             if request.finished:
                 if seq.sample:
                     next(results)
+                    next(token_logprobs)
                 continue
             if batch.follow is not None:  # the step's root was the host's newest known token
                 request.num_draft_computed_tokens = request.num_computed_tokens + 1
@@ -304,7 +305,7 @@ class EngineCore:
             if not seq.sample:
                 request.num_computed_tokens += len(seq.token_ids)
                 continue
-            tokens = next(results)
+            tokens, rows = next(results), next(token_logprobs)
             accepted_drafts = len(tokens) - 1
             # KV is kept for the step's own tokens and the accepted drafts; the bonus token has none yet.
             request.num_computed_tokens += len(seq.token_ids) + accepted_drafts
@@ -321,7 +322,7 @@ class EngineCore:
             if not request.finished:
                 self.scheduler.trim(request, reserve)
             spec = (seq.num_draft_tokens, emitted_drafts) if seq.num_draft_tokens else (0, None)
-            deltas.append(_delta(request, emitted, *spec))
+            deltas.append(_delta(request, emitted, *spec, logprobs=rows[: len(emitted)] if rows else None))
         return deltas
 
     def _append_until_finished(self, request: Request, tokens: list[int]) -> list[int]:
@@ -342,14 +343,15 @@ class EngineCore:
                 continue  # finished while the step was read back
             alone = StepBatch([seq], batch.page_size)
             try:
-                sampled = self.runner.execute(alone)
+                output = self.runner.launch(alone)
+                sampled = output.tokens()
             except Exception:
                 log.exception("request %s failed", seq.request_id)
                 request = self.scheduler.requests[seq.request_id]
                 self.scheduler.finish(request, FinishReason.ERROR)
                 deltas.append(_delta(request, []))
                 continue
-            deltas.extend(self._postprocess(alone, sampled))
+            deltas.extend(self._postprocess(alone, sampled, logprobs=output.logprobs()))
         return deltas
 
     def _finish_reason(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:
@@ -371,10 +373,10 @@ def _advance_drafter(request: Request, seq: ScheduledSeq) -> None:
 
 
 def _delta(request: Request, new_tokens: list[int], step_drafted: int = 0, step_accepted: int | None = None,
-           num_output_tokens: int | None = None) -> TokenDelta:
+           num_output_tokens: int | None = None, logprobs: list[TokenLogprob] | None = None) -> TokenDelta:
     reason = request.finish_reason.value if request.finish_reason is not None else None
     outputs = request.num_output_tokens if num_output_tokens is None else num_output_tokens
     return TokenDelta(
         request.request_id, new_tokens, reason, request.num_prompt_tokens, outputs,
-        step_drafted, step_accepted, request.num_drafted_tokens, request.num_accepted_tokens,
+        step_drafted, step_accepted, request.num_drafted_tokens, request.num_accepted_tokens, logprobs,
     )

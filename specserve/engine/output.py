@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.core import SamplingParams
+from specserve.core import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -18,6 +18,8 @@ class RequestOutput:
     num_spec_steps: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # One per output token where the request asked (SamplingParams.logprobs), else None.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -71,7 +73,8 @@ class OutputTracker:
     """Folds engine deltas into per-request outputs: text, stop strings and finish reasons."""
 
     def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.output = RequestOutput(request_id, list(prompt_token_ids))
+        self.output = RequestOutput(request_id, list(prompt_token_ids),
+                                    logprobs=[] if params.logprobs is not None else None)
         self.detok = Detokenizer(tokenizer, params)
         self.params = params
 
@@ -84,6 +87,8 @@ class OutputTracker:
             out.num_spec_steps += 1
             out.num_drafted_tokens, out.num_accepted_tokens = step.num_drafted_tokens, step.num_accepted_tokens
         out.token_ids.extend(new_token_ids)
+        if out.logprobs is not None and step is not None and step.logprobs:
+            out.logprobs.extend(step.logprobs)
         text = self.detok.push(new_token_ids)
         stop_at = find_stop(self.detok.text, len(text), self.params.stop)
         if stop_at is not None:
@@ -107,4 +112,6 @@ class OutputTracker:
         for n in range(len(ids) - num_new + 1, len(ids)):
             if len(self.detok.tokenizer.decode(ids[:n], skip_special_tokens=skip)) >= text_end:
                 del ids[n:]
+                if self.output.logprobs is not None:
+                    del self.output.logprobs[n:]
                 return

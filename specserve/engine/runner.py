@@ -7,10 +7,12 @@ import random
 
 import torch
 
-from specserve.core import StepBatch
+from specserve.core import StepBatch, TokenLogprob
 from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.layers.attention import AttentionMetadata
+from specserve.sampling.logprobs import LogprobRows
+from specserve.sampling.penalties import adjust_logits, seq_context
 from specserve.sampling.sampler import sample
 from specserve.speculative.base import Speculator
 from specserve.speculative.programs.base import unpack
@@ -27,8 +29,10 @@ class StepOutput:
     tokens then waits for this step alone, not for the next one queued behind it on the same stream."""
 
     def __init__(self, ready: list[list[int]] | None = None, device_tokens: torch.Tensor | None = None,
-                 placeholders: list[int] | None = None, program_width: int | None = None) -> None:
+                 placeholders: list[int] | None = None, program_width: int | None = None,
+                 logprobs: "list[list[TokenLogprob] | None] | PlainLogprobs | None" = None) -> None:
         self._ready = ready
+        self._logprobs = logprobs
         self.placeholders = placeholders
         # A chain or tree program's step: device_tokens are its packed rows (speculative/programs/base.py: unpack), and a
         # following step may continue it on the device (Scheduler.follow) with this many tokens per row.
@@ -48,6 +52,33 @@ class StepOutput:
             rows = self._host.tolist()
             self._ready = unpack(rows) if self.program_width else [[t] for t in rows]
         return self._ready
+
+    def logprobs(self) -> list[list[TokenLogprob] | None] | None:
+        """Per sampling sequence, the log-probabilities of its new tokens (None where it did not ask for them);
+        None when no sequence asked. Read after `tokens`."""
+        if isinstance(self._logprobs, PlainLogprobs):
+            self._logprobs = self._logprobs.to_host()
+        return self._logprobs
+
+
+class PlainLogprobs:
+    """A plain step's log-probabilities for the sequences that asked, on the device until read back."""
+
+    def __init__(self, seqs, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.size = len(seqs)
+        self.wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        rows = tensor_on(self.wanted, logits.device)
+        self.rows = LogprobRows(logits[rows], tokens[rows], [seqs[i].params.logprobs for i in self.wanted])
+
+    @classmethod
+    def of(cls, seqs, logits: torch.Tensor, tokens: torch.Tensor) -> PlainLogprobs | None:
+        return cls(seqs, logits, tokens) if any(s.params.logprobs is not None for s in seqs) else None
+
+    def to_host(self) -> list[list[TokenLogprob] | None]:
+        out: list[list[TokenLogprob] | None] = [None] * self.size
+        for i, row in zip(self.wanted, self.rows.to_host()):
+            out[i] = [row]
+        return out
 
 
 class ModelRunner:
@@ -130,7 +161,7 @@ class ModelRunner:
             with self.timer.phase("follow"):
                 self.proposer.extend_drafter(batch)
         with self.timer.phase("sample"):
-            if all(s.params.greedy for s in seqs):  # the graph took the argmax
+            if all(s.params.greedy and not s.params.needs_host_logits for s in seqs):  # the graph took the argmax
                 return self._plain_output(out.greedy, publish)
             return self._sample_plain(seqs, out.logits.float(), publish)
 
@@ -160,14 +191,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[tensor_on(rows, self.device)]).float()
         if not trees:
             return self._sample_plain([seqs[i] for i, _, _ in spans], logits, publish)
-        return StepOutput(ready=self._choose(seqs, trees, logits, spans, batch.page_size))
+        tokens, logprobs = self._choose(seqs, trees, logits, spans, batch.page_size)
+        return StepOutput(ready=tokens, logprobs=logprobs)
 
     def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool) -> StepOutput:
-        """One token per sequence, sampled without leaving the device."""
-        return self._plain_output(sample(logits, [s.params for s in seqs], [s.sample_seed for s in seqs]), publish)
+        """One token per sequence, sampled without leaving the device, from the logits adjusted by each
+        request's penalties and bias; log-probabilities (where asked) from the raw logits."""
+        tokens = _sample_rows(seqs, logits, [seq_context(s) for s in seqs])
+        return self._plain_output(tokens, publish, PlainLogprobs.of(seqs, logits, tokens))
 
-    def _plain_output(self, tokens: torch.Tensor, publish: bool) -> StepOutput:
-        return StepOutput(device_tokens=tokens, placeholders=self.futures.publish(tokens) if publish else None)
+    def _plain_output(self, tokens: torch.Tensor, publish: bool, logprobs: PlainLogprobs | None = None
+                      ) -> StepOutput:
+        return StepOutput(device_tokens=tokens, placeholders=self.futures.publish(tokens) if publish else None,
+                          logprobs=logprobs)
 
     def _graph_fits(self, seqs) -> bool:
         """A plain decode step (one sampled token per sequence) that a captured graph covers."""
@@ -196,22 +232,29 @@ class ModelRunner:
         )
         return input_ids, positions, meta, token_lists
 
-    def _choose(self, seqs, trees, logits, spans, page_size: int) -> list[list[int]]:
+    def _choose(self, seqs, trees, logits, spans, page_size: int):
+        """Each sampling sequence's new tokens, and their log-probabilities where asked (else None for all)."""
         plain = [(i, first) for i, first, _ in spans if i not in trees]
         results: dict[int, list[int]] = {}
+        logprobs: dict[int, list[TokenLogprob] | None] = {}
         if plain:
-            chosen = sample(
-                logits[[first for _, first in plain]],
-                [seqs[i].params for i, _ in plain],
-                [seqs[i].sample_seed for i, _ in plain],
-            ).tolist()
-            results.update({i: [t] for (i, _), t in zip(plain, chosen)})
+            plain_seqs = [seqs[i] for i, _ in plain]
+            plain_logits = logits[[first for _, first in plain]]
+            chosen = _sample_rows(plain_seqs, plain_logits, [seq_context(s) for s in plain_seqs])
+            rows = PlainLogprobs.of(plain_seqs, plain_logits, chosen)
+            rows = rows.to_host() if rows is not None else [None] * len(plain)
+            for (i, _), token, row in zip(plain, chosen.tolist(), rows):
+                results[i], logprobs[i] = [token], row
         for i, first, width in spans:
             if i in trees:
-                verdict = self._verdict(logits[first:first + width], trees[i], seqs[i])
-                self._compact_kv(seqs[i], verdict.accepted_nodes, page_size)
-                results[i] = verdict.tokens
-        return [results[i] for i, _, _ in spans]
+                seq, tree, raw = seqs[i], trees[i], logits[first:first + width]
+                verdict = self._verdict(adjust_logits(raw, _tree_contexts(seq, tree)), tree, seq)
+                self._compact_kv(seq, verdict.accepted_nodes, page_size)
+                results[i], logprobs[i] = verdict.tokens, _verdict_logprobs(seq, raw, verdict)
+        tokens = [results[i] for i, _, _ in spans]
+        if all(row is None for row in logprobs.values()):
+            return tokens, None
+        return tokens, [logprobs[i] for i, _, _ in spans]
 
     def _verdict(self, logits: torch.Tensor, tree, seq) -> Verdict:
         if self.simulate_accept_len is not None:
@@ -233,3 +276,27 @@ class ModelRunner:
         dst = torch.tensor([slot(d) for _, d in moves], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         self.proposer.move_slots(src, dst)
+
+
+def _sample_rows(seqs, logits: torch.Tensor, contexts) -> torch.Tensor:
+    return sample(adjust_logits(logits, contexts), [s.params for s in seqs], [s.sample_seed for s in seqs])
+
+
+def _tree_contexts(seq, tree) -> list:
+    """Each tree node's row context: the request's tokens, then the drafts on the path to the node."""
+    if not seq.params.adjusts_logits:
+        return [None] * len(tree.tokens)
+    paths: list[list[int]] = [[]]
+    for node in range(1, len(tree.tokens)):  # parents come before their children
+        paths.append([*paths[tree.parents[node]], tree.tokens[node]])
+    return [seq_context(seq, path) for path in paths]
+
+
+def _verdict_logprobs(seq, raw_logits: torch.Tensor, verdict: Verdict) -> list[TokenLogprob] | None:
+    """The emitted tokens' log-probabilities: each from the row of the node it follows (the root, then each
+    accepted node)."""
+    if seq.params.logprobs is None:
+        return None
+    rows = [0, *verdict.accepted_nodes]
+    tokens = torch.tensor(verdict.tokens, device=raw_logits.device)
+    return LogprobRows(raw_logits[rows], tokens, [seq.params.logprobs] * len(rows)).to_host()

@@ -299,6 +299,8 @@ class Scheduler:
             num_draft_tokens=drafts,
             draft_start_pos=request.num_draft_computed_tokens,
             draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:catch_up_end],
+            history=request.token_ids if sample and request.params.adjusts_logits else None,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
 

@@ -81,18 +81,18 @@ def test_abort_frees_pages(llm):
 def test_a_failing_request_fails_alone(llm):
     expected = [o.token_ids for o in llm.generate(PROMPTS, _greedy(8))]
     poison = llm.tokenizer.encode(PROMPTS[1])[0]
-    real_execute = llm.engine.runner.execute
+    real_launch = llm.engine.runner.launch
 
-    def flaky_execute(batch):
+    def flaky_launch(batch, publish=False):
         if any(poison in s.token_ids for s in batch.seqs):
             raise RuntimeError("injected fault")
-        return real_execute(batch)
+        return real_launch(batch, publish)
 
-    llm.engine.runner.execute = flaky_execute
+    llm.engine.runner.launch = flaky_launch
     try:
         outs = llm.generate(PROMPTS, _greedy(8))
     finally:
-        llm.engine.runner.execute = real_execute
+        llm.engine.runner.launch = real_launch
     assert outs[1].finish_reason == "error"
     assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
     assert _pages_all_free(llm)

@@ -136,7 +136,8 @@ class SpecGraphs(abc.ABC):
         return any(len(eagle3_catch_up(s)[0]) > self.width for s in batch.seqs)
 
     def _rows_fit(self, batch: StepBatch, max_drafts: int) -> bool:
-        """Decoding rows, greedy or sampled without a seed, at most `max_drafts` each, at least one row drafting
+        """Decoding rows, greedy or sampled without a seed and without penalties, bias or log-probabilities (the
+        general path adjusts and reads logit rows on the host), at most `max_drafts` each, at least one row drafting
         (else a plain step: the decode graphs take it), and every head catch-up within the program's rows."""
         seqs = batch.seqs
         if not seqs or len(seqs) > self.max_bs or not any(s.num_draft_tokens for s in seqs):
@@ -144,7 +145,7 @@ class SpecGraphs(abc.ABC):
         for s in seqs:
             if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= max_drafts):
                 return False
-            if not (s.params.greedy or s.params.seed is None):
+            if not (s.params.greedy or s.params.seed is None) or s.params.needs_host_logits:
                 return False
             # Rows with no drafts this step (a request's last token, say) ride along: nothing of theirs is
             # accepted but the target's own token, and their head catch-up waits for a step that drafts.
