@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from specserve.models.loader import build_model
 from specserve.models.registry import model_config
 from specserve.speculative import registry as speculative_registry
 from specserve.speculative.plan import AdaptivePlan
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A CPU pool is capped so a laptop keeps its memory; --max-total-tokens or a GPU lifts this.
@@ -118,7 +121,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
     draft = algorithm.load(config, model_cfg, dtype, device, max_model_len, progress) if algorithm else None
     page_size = config.cache.page_size
-    per_token = kv_bytes_per_token(model_cfg, dtype) + (algorithm.bytes_per_token(draft, dtype) if draft else 0)
+    target_per_token = kv_bytes_per_token(model_cfg, dtype)
+    per_token = target_per_token + (algorithm.bytes_per_token(draft, dtype) if draft else 0)
     max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
     scratch = algorithm.target_scratch_slots(config, device, max_bs) if algorithm else 0
     num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device) - scratch * per_token)
@@ -127,6 +131,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     pad_page = use_graphs or (algorithm is not None and algorithm.needs_pad_page(config, device))
     kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + scratch, dtype, device)
     num_slots = num_pages * page_size
+    log.info("KV pool: %d tokens, %d bytes per token (the target's %s: %d)", num_slots, per_token,
+             "latent" if model_cfg.mla else "keys and values", target_per_token)
     rng = random.Random(config.random_seed)  # simulated acceptance's draws, in program and general path alike
     speculator = None
     if algorithm is not None:
@@ -156,7 +162,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
     overlap = device.type == "cuda" and not config.disable_overlap
     freeze_startup_objects()
-    return EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap, adaptive), resolved
+    engine = EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap, adaptive, model_cfg.vocab_size)
+    return engine, resolved
 
 
 def freeze_startup_objects() -> None:
@@ -179,7 +186,8 @@ def thaw_and_collect() -> None:
 def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: int) -> None:
     """Eager calls of the decode kernel (decode rows of steps with prompts, the draft's catch-ups) would
     otherwise compile its forms inside serving steps."""
-    if decode_kernel_takes(cfg.head_dim):  # other head dims take the PyTorch path
+    # Other head dims take the PyTorch path, as does MLA (its latent cache is not the kernel's [2, slots, Hkv, D]).
+    if decode_kernel_takes(cfg.head_dim) and cfg.mla is None:
         from specserve.kernels.triton import attention as triton_attention
 
         triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)

@@ -125,3 +125,14 @@ def test_speculative_run_past_a_stop_string_keeps_no_tokens_after_it(tiny_chat_m
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
     decoded = spec_llm.tokenizer.decode(cut.token_ids, skip_special_tokens=True)
     assert stop in decoded and stop not in spec_llm.tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("prompt, params", [
+    ([1, 2, 10**6], SamplingParams()),
+    ([1, -5, 3], SamplingParams()),
+    ([1, 2, 3], SamplingParams(logit_bias={10**6: 1.0})),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_at_admission(llm, prompt, params):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([prompt], params)
+    assert not llm.engine.has_work() and _pages_all_free(llm)
