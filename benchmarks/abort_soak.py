@@ -32,6 +32,8 @@ import httpx
 import openai
 import psutil
 
+from specserve.bench.serving import wait_until_healthy
+
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",
     "Explain how a hash map works, step by step.",
@@ -52,20 +54,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before it was healthy")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not become healthy")
 
 
 def engine_process(server: subprocess.Popen) -> psutil.Process:
@@ -226,7 +214,7 @@ def main() -> None:
     with log.open("w") as sink:  # the child keeps its own copy of the descriptor
         server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(base, server)
+        wait_until_healthy(base, server)
         result = asyncio.run(soak(args, base, server, headers))
     finally:
         stop(server)

@@ -20,13 +20,11 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 
 from specserve.bench.datasets import mt_bench_first_turns
-from specserve.bench.serving import LoadSettings, make_client, probe, run_closed_loop
+from specserve.bench.serving import LoadSettings, make_client, probe, run_closed_loop, wait_until_healthy
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -53,20 +51,6 @@ def decode_tok_s(result) -> float:
     return 1 / result.tpot
 
 
-def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 900) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server on port {port} exited with {server.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"the server on port {port} did not come up")
-
-
 def summarize(results) -> dict:
     decode_s = sum(r.latency - r.ttft for r in results)
     steps = sum(r.spec_steps for r in results)
@@ -89,7 +73,7 @@ async def run(args) -> dict:
         for port, f, label in zip(ports, flags, labels):
             servers.append(start_server(port, f, Path(f"/tmp/specserve-{label}.log")))
         for port, server in zip(ports, servers):
-            wait_healthy(port, server)
+            wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout_s=900)
         clients = [make_client(f"http://127.0.0.1:{port}", None, 1, 600) for port in ports]
         model = probe(f"http://127.0.0.1:{ports[0]}", None)[0]
         settings = LoadSettings("chat", model, args.max_tokens, 0.0, False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,22 @@ def probe(base_url: str, api_key: str | None) -> tuple[str, dict | None]:
             info = got.json()
             break
     return model, info
+
+
+def wait_until_healthy(base_url: str, server: subprocess.Popen | None = None, timeout_s: float = 600) -> None:
+    """Polls `/health` until it answers 200 (a specserve server says 503 while its model loads); raises if
+    `server`, the process serving it, exits first, or after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server is not None and server.poll() is not None:
+            raise BenchError(f"the server at {base_url} exited with {server.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise BenchError(f"the server at {base_url} was not healthy within {timeout_s:g} s")
 
 
 async def _one(client: openai.AsyncOpenAI, prompt: BenchPrompt, s: LoadSettings) -> RequestResult:
