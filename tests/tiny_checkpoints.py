@@ -43,6 +43,10 @@ TINY_CONFIGS = {
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32),
     "deepseek-v3": dict(_DEEPSEEK_V3, q_lora_rank=None, n_shared_experts=1, n_group=2, topk_group=1),
     "deepseek-v3-qlora": dict(_DEEPSEEK_V3, q_lora_rank=48, n_shared_experts=2, n_group=4, topk_group=2),
+    # Layer 1 is dense (mlp_only_layers), the others sparse: eight experts, two per token.
+    "qwen3-moe": dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=32, num_hidden_layers=4,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[1]),
 }
 
 

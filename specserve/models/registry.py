@@ -12,12 +12,14 @@ from specserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.qwen2 import Qwen2ForCausalLM
 from specserve.models.qwen3 import Qwen3ForCausalLM
+from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

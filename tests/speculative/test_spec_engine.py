@@ -177,12 +177,15 @@ def test_offline_api_reports_speculation_figures(tiny_checkpoint):
     assert plain.num_spec_steps == 0 and plain.mean_acceptance_length is None
 
 
-@pytest.mark.parametrize("topk,num_steps,num_draft_tokens", [(1, 1, None), (2, 2, 4)])
-def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, topk, num_steps, num_draft_tokens):
+@pytest.mark.parametrize("target_kind,topk,num_steps,num_draft_tokens",
+                         [("llama", 1, 1, None), ("llama", 2, 2, 4), ("qwen3-moe", 1, 1, None)])
+def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, target_kind, topk, num_steps,
+                                                                 num_draft_tokens):
     """Chi-square on a 16-token vocabulary: the joint law of the first two sampled tokens equals the
     target's exact one (computed with transformers), while the second token comes out of speculative
     verification against an unrelated draft (a chain, or a tree with two children at the root), in one
-    continuous batch of thousands of requests."""
+    continuous batch of thousands of requests. The target is dense, or mixture-of-experts (each verify row
+    routed to its own experts)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -191,8 +194,8 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, topk,
 
     vocab, trials, prompt = 16, 4000, [3, 7, 1, 12]
     target, draft = tmp_path / "target", tmp_path / "draft"
-    for path, seed in ((target, 0), (draft, 5)):
-        _write_small_vocab(path, vocab, seed, TINY_BASE, TINY_CONFIGS)
+    for path, seed, kind in ((target, 0, target_kind), (draft, 5, "llama")):
+        _write_small_vocab(path, vocab, seed, TINY_BASE, TINY_CONFIGS[kind])
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
         p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
@@ -225,15 +228,16 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, topk,
     assert chi2 < dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3, (chi2, dof)
 
 
-def _write_small_vocab(path, vocab: int, seed: int, base: dict, kinds: dict) -> None:
+def _write_small_vocab(path, vocab: int, seed: int, base: dict, kind: dict) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = {**base, **kinds["llama"], "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 1,
+    settings = {**base, **kind, "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 1,
                 "initializer_range": 0.1}
-    settings.pop("model_type")
+    model_type = settings.pop("model_type")
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings), dtype=torch.float32).save_pretrained(path)
+    config = AutoConfig.for_model(model_type, **settings)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 
 
 class BranchingOracle:

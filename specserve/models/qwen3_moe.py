@@ -1,0 +1,41 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's decoder with a sparse MoE block in place of the MLP in
+its sparse layers (`decoder_sparse_step`, less `mlp_only_layers`; config.py lists them in `moe.sparse_layers`).
+
+The block routes each token to its top-k experts by softmax over the router's logits (`norm_topk_prob`
+rescales the chosen weights to sum to one) and sums their outputs; there are no shared experts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.layers.linear import Linear
+from specserve.layers.moe import FusedExperts, softmax_topk
+from specserve.layers.norm import RMSNorm
+from specserve.models.llama import AttentionForm, DecoderLayer
+from specserve.models.qwen3 import Qwen3ForCausalLM
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """experts(norm(x)) + add, as the dense MLP is called; norm and add are optional."""
+        if norm is not None:
+            x = norm(x)
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = self.experts(x, weights, ids)
+        return out if add is None else out + add
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    @staticmethod
+    def decoder_layer(cfg: ModelConfig, form: AttentionForm, index: int) -> DecoderLayer:
+        sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
+        return DecoderLayer(cfg, form, SparseMoeBlock(cfg) if sparse else None)
