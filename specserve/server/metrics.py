@@ -16,6 +16,8 @@ class Metrics:
         self.waiting = Gauge("specserve_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.pages_used = Gauge("specserve_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("specserve_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.kv_bytes_per_token = Gauge("specserve_kv_cache_bytes_per_token",
+                                        "Bytes the target's KV pool keeps per token, all layers", registry=r)
         self.preemptions = Gauge("specserve_num_preemptions", "Preemptions since start", registry=r)
         self.spec_drafting = Gauge("specserve_spec_drafting",
                                    "1 while speculation is configured and its plan lets decode steps draft", registry=r)
@@ -39,6 +41,7 @@ class Metrics:
         self.waiting.set(stats.num_waiting)
         self.pages_used.set(stats.pages_used)
         self.pages_total.set(stats.pages_total)
+        self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
         self.preemptions.set(stats.num_preemptions)
         self.spec_drafting.set(int(stats.spec_drafting))
 

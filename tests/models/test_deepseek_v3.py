@@ -17,6 +17,7 @@ from specserve.layers.mla import MultiHeadLatentAttention
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
 from specserve.models.registry import model_config
+from specserve.server.metrics import Metrics
 
 from engine_runs import check_matches_hf, count_accepted, hf_greedy, make_prompts, run_staggered, tight_config
 
@@ -29,15 +30,20 @@ def test_tiny_deepseek_v3_matches_transformers(tiny_checkpoint, kind):
     check_matches_hf(tight_config(str(path), max_total_tokens=200), path, vocab=512)
 
 
-def test_the_pool_keeps_only_the_latent_per_token_and_layer(tiny_checkpoint):
+def test_the_pool_keeps_only_the_latent_per_token_and_layer(tiny_checkpoint, caplog):
     path = tiny_checkpoint("deepseek-v3")
     cfg = read_model_config(path)
-    engine, _ = build_engine_core(tight_config(str(path), max_total_tokens=200), progress=False)
+    with caplog.at_level("INFO", logger="specserve.engine.factory"):
+        engine, _ = build_engine_core(tight_config(str(path), max_total_tokens=200), progress=False)
     latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
     kv_cache = engine.runner.kv_cache
     assert kv_cache.shape[:2] == (cfg.num_layers, 1) and kv_cache.shape[3:] == (1, latent)
-    assert kv_bytes_per_token(cfg, torch.float32) == cfg.num_layers * latent * 4
-    assert kv_cache[0, 0, :200].numel() == 200 * latent
+    per_token = cfg.num_layers * latent * 4
+    assert kv_bytes_per_token(cfg, torch.float32) == per_token
+    assert f"the target's latent: {per_token})" in caplog.text
+    metrics = Metrics()
+    metrics.on_stats(engine.stats())
+    assert f"specserve_kv_cache_bytes_per_token {per_token}.0" in metrics.render().decode()
 
 
 def test_moonlight_config_is_shipped_with_a_latent_cache():

@@ -99,6 +99,7 @@ def test_metrics_expose_the_promised_series(server, client):
                               extra_body={"ignore_eos": True})
     text = httpx.get(server["base"] + "/metrics").text
     for name in ("specserve_num_requests_running", "specserve_num_requests_waiting", "specserve_kv_pages_used",
+                 "specserve_kv_cache_bytes_per_token",
                  "specserve_prompt_tokens_total", "specserve_generation_tokens_total",
                  "specserve_time_to_first_token_seconds_bucket", "specserve_inter_token_latency_seconds_bucket"):
         assert name in text
