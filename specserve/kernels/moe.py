@@ -5,8 +5,13 @@ One MoE layer's experts are stacked: `w13` [E, 2I, H] (each expert's gate rows, 
 [E, H, I]. The token-expert pairs are sorted by expert, so each touched expert runs once over all the rows
 routed to it: its weights are read once per call, however many rows chose it, which is what decode and verify
 steps (few rows, many experts) are bound by.
+
+On a GPU (CUDA tensors, no autograd) a call takes the grouped GEMMs of kernels/triton/fused_moe.py, which
+need no host sync and so run inside CUDA graphs too. Elsewhere it takes the PyTorch form.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +23,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H], topk_weights [T, k] (fp32), topk_ids [T, k] -> [T, H] in x's dtype: for each token,
     sum over its k experts e of weight * w2[e] @ silu_and_mul(w13[e] @ x)."""
+    gpu = _triton_moe() if x.is_cuda and not torch.is_grad_enabled() else None
+    if gpu is not None and x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1:
+        return _weighted_sum(gpu.expert_outputs(x, w13, w2, topk_ids), topk_weights, x.dtype)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, w13, w2, topk_weights, topk_ids)
     return eager_fused_experts(x, w13, w2, topk_weights, topk_ids)
@@ -31,15 +39,15 @@ def eager_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     num_tokens, k = topk_ids.shape
     pair_experts = topk_ids.reshape(-1)
     order = torch.argsort(pair_experts, stable=True)
-    rows = x[order // k]  # the token of each pair, in expert order
-    out = torch.empty(num_tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
+    rows = x.index_select(0, order // k)  # the token of each pair, in expert order
+    by_expert = torch.empty_like(rows)
     start = 0
     for expert, count in enumerate(torch.bincount(pair_experts, minlength=w13.shape[0]).tolist()):
         if count:
-            chosen = rows[start:start + count]
-            out[order[start:start + count]] = F.linear(pointwise.silu_and_mul(F.linear(chosen, w13[expert])),
-                                                       w2[expert])
+            gate_up = F.linear(rows[start:start + count], w13[expert])
+            torch.matmul(pointwise.silu_and_mul(gate_up), w2[expert].t(), out=by_expert[start:start + count])
             start += count
+    out = torch.empty_like(by_expert).index_copy_(0, order, by_expert)  # back to pair order
     return _weighted_sum(out, topk_weights, x.dtype)
 
 
@@ -53,6 +61,15 @@ def gathered_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     gate_up = torch.bmm(w13[pair_experts], rows).squeeze(-1)
     out = torch.bmm(w2[pair_experts], pointwise.silu_and_mul(gate_up).unsqueeze(-1)).squeeze(-1)
     return _weighted_sum(out, topk_weights, x.dtype)
+
+
+@functools.cache
+def _triton_moe():
+    try:  # imported at the first GPU call: CPU-only runs never load Triton
+        from specserve.kernels.triton import fused_moe
+    except ImportError:
+        return None
+    return fused_moe
 
 
 def _weighted_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -61,6 +61,31 @@ def test_fused_topk_in_the_interpreter_ranks_like_a_stable_sort():
     _run_in_interpreter(_TOPK_IN_INTERPRETER, timeout=600)
 
 
+_FUSED_MOE_IN_INTERPRETER = """
+from specserve.kernels.moe import _weighted_sum, eager_fused_experts
+from specserve.kernels.triton.fused_moe import align, expert_outputs
+from specserve.layers.moe import softmax_topk
+slot_pairs, block_expert = align(torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]]), 5, block_m=16)
+assert block_expert.tolist() == [0, 1, 2, 3, -1, -1]  # expert 4 untouched; spare blocks for the worst routing
+assert slot_pairs[16:19].tolist() == [1, 2, 5] and (slot_pairs[19:32] == 8).all()  # expert 1's pairs, in order
+torch.manual_seed(0)
+for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
+    # One token; widths that are not multiples of the tiles; an expert with more rows than a block holds.
+    for tokens, k, experts, hidden, inter in ((1, 2, 8, 96, 40), (7, 4, 8, 64, 64), (40, 2, 4, 96, 40)):
+        w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype)
+        x = torch.randn(tokens, hidden).to(dtype)
+        weights, ids = softmax_topk(torch.randn(tokens, experts) * 2, k, renormalize=True)
+        out = _weighted_sum(expert_outputs(x, w13, w2, ids), weights, dtype)
+        reference = eager_fused_experts(x, w13, w2, weights, ids)
+        torch.testing.assert_close(out.float(), reference.float(), atol=tolerance, rtol=tolerance)
+"""
+
+
+def test_fused_moe_in_the_interpreter_matches_the_pytorch_form():
+    _run_in_interpreter(_FUSED_MOE_IN_INTERPRETER, timeout=600)
+
+
 _FP8_GEMV_IN_INTERPRETER = """
 from gemv_checks import ATOL, RTOL, fp8_forms, interpreter_range
 from specserve.kernels.triton import gemv as triton_gemv
