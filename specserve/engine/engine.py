@@ -90,8 +90,10 @@ class StepObserver(Protocol):
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, eos_token_ids: tuple[int, ...],
-                 overlap: bool = False, observer: StepObserver | None = None) -> None:
+                 overlap: bool = False, observer: StepObserver | None = None, vocab_size: int | None = None
+                 ) -> None:
         self.scheduler = scheduler
+        self.vocab_size = vocab_size  # token ids past it have no embedding: refused at admission
         self.runner = runner
         self.observer = observer
         self._last_step: tuple[StepBatch, float] | None = None  # for the observer
@@ -111,11 +113,20 @@ class EngineCore:
         """Raises ValueError for a request that can never run; the engine is unchanged then."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        self._check_token_ids(prompt_token_ids, "prompt")
+        self._check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         room = self.max_model_len - len(prompt_token_ids)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room in a context of {self.max_model_len}")
         max_tokens = room if params.max_tokens is None else params.max_tokens
         self.scheduler.add(Request(request_id, list(prompt_token_ids), params, max_tokens))
+
+    def _check_token_ids(self, ids: list[int], what: str) -> None:
+        if self.vocab_size is None:
+            return
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_ids: list[str]) -> list[TokenDelta]:
         aborted = [self.scheduler.abort(rid) for rid in request_ids]
