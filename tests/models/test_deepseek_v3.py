@@ -52,7 +52,8 @@ def test_moonlight_config_is_shipped_with_a_latent_cache():
     cfg = model_config(json.loads(shipped_config("moonlight-16b-a3b").read_text()))
     assert cfg.architecture == "DeepseekV3ForCausalLM" and cfg.mla.q_lora_rank is None
     assert cfg.kv_entry_shape == (1, 1, 512 + 64)
-    assert kv_bytes_per_token(cfg, torch.bfloat16) == 27 * 576 * 2  # a dense cache of its heads: 27 * 2 * 16 * 192 * 2
+    # 31,104 bytes per token in bf16; its heads' keys (192 wide) and values (128) expanded would take 276,480.
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 27 * 576 * 2
     assert cfg.moe.sparse_layers == tuple(range(1, 27)) and cfg.moe.num_shared_experts == 2
 
 
