@@ -178,14 +178,15 @@ def test_offline_api_reports_speculation_figures(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("target_kind,topk,num_steps,num_draft_tokens",
-                         [("llama", 1, 1, None), ("llama", 2, 2, 4), ("qwen3-moe", 1, 1, None)])
+                         [("llama", 1, 1, None), ("llama", 2, 2, 4), ("qwen3-moe", 1, 1, None),
+                          ("deepseek-v3", 2, 2, 4)])
 def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path, target_kind, topk, num_steps,
                                                                  num_draft_tokens):
     """Chi-square on a 16-token vocabulary: the joint law of the first two sampled tokens equals the
     target's exact one (computed with transformers), while the second token comes out of speculative
     verification against an unrelated draft (a chain, or a tree with two children at the root), in one
     continuous batch of thousands of requests. The target is dense, or mixture-of-experts (each verify row
-    routed to its own experts)."""
+    routed to its own experts), or DeepSeek-V3 (tree rows verified over the latent cache)."""
     import torch
     from transformers import AutoModelForCausalLM
 
