@@ -32,18 +32,27 @@ STACKED_PARAMS: StackedParams = {
 
 
 class GroupedTopKRouter(nn.Module):
-    """DeepSeek-V3's router: `weight` [E, H] and `e_score_correction_bias` [E], both applied in fp32."""
+    """DeepSeek-V3's router: `weight` [E, H] and `e_score_correction_bias` [E], kept and applied in fp32 whatever
+    the model's dtype, as the checkpoints store them and transformers keeps them: sigmoid scores crowd near
+    one, where bf16 steps are coarse enough to change which experts win."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe
-        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(dtype)` casts every parameter; this module's go back to fp32 (on whatever device they went to).
+        super()._apply(fn, recurse)
+        for param in (self.weight, self.e_score_correction_bias):
+            param.data = param.data.float()
+        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64) of x [T, H]."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        return grouped_topk(scores, self.e_score_correction_bias.float(), self.moe)
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        return grouped_topk(scores, self.e_score_correction_bias, self.moe)
 
 
 def grouped_topk(scores: torch.Tensor, bias: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
