@@ -15,7 +15,7 @@ from specserve.kv.pool import kv_bytes_per_token
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.mla import MultiHeadLatentAttention
 from specserve.layers.rotary import RotaryEmbedding
-from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+from specserve.models.loader import build_model, load_eagle3_head, read_model_config, save_eagle3_head
 from specserve.models.registry import model_config
 from specserve.server.metrics import Metrics
 
@@ -55,6 +55,18 @@ def test_moonlight_config_is_shipped_with_a_latent_cache():
     # 31,104 bytes per token in bf16; its heads' keys (192 wide) and values (128) expanded would take 276,480.
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 27 * 576 * 2
     assert cfg.moe.sparse_layers == tuple(range(1, 27)) and cfg.moe.num_shared_experts == 2
+
+
+def test_random_weights_and_bf16_build_and_run(tiny_checkpoint):
+    """`--load-format dummy` builds the model from its config alone; in bf16 the router stays in fp32."""
+    path = tiny_checkpoint("deepseek-v3")
+    config = replace(tight_config(str(path), max_total_tokens=200), load_format="dummy")
+    outputs, _ = run_staggered(build_engine_core(config, progress=False)[0], make_prompts(512), max_tokens=4)
+    assert all(len(out) == 4 for out in outputs)
+    model = build_model(read_model_config(path), None, torch.bfloat16, torch.device("cpu"), 64, progress=False)
+    router = model.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert model.layers[1].mlp.experts.w13.dtype == torch.bfloat16
 
 
 @pytest.fixture(scope="module")
