@@ -2,6 +2,7 @@
 (converted once to a cached HF directory), or random weights (`dummy`) for speed work without weights."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -34,7 +35,7 @@ def build_model(
 ) -> CausalLM:
     """Weights come from `model_dir`, or are random when `model_dir` is None (load format `dummy`). An
     unsupported architecture fails here, before any weights are read."""
-    with torch.device(device):
+    with torch.device(device), _default_dtype(dtype):
         model = model_class(cfg.architecture)(cfg, max_positions)
     model.to(dtype=dtype)
     model.rotary.float()  # keep rotary angles in fp32
@@ -48,6 +49,19 @@ def build_model(
     if can_prepack(model):
         prepack_linears(model)
     return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Parameters are created in `dtype` rather than in fp32 and then cast: a model would otherwise hold twice its
+    bytes at once (a 30B MoE in bf16: 122 GB), and the fp32 blocks freed by the cast would stay in the CUDA
+    cache, unseen by the KV pool's sizing."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _move_norm_weights(model: torch.nn.Module) -> None:

@@ -126,3 +126,27 @@ def test_speculative_greedy_equals_plain_greedy(moe_reference, moe_eagle3_head, 
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages
     alloc.check_invariants()
+
+
+def test_a_bf16_model_is_built_in_bf16(tiny_checkpoint, monkeypatch):
+    """No fp32 copy first: a 30B model's would not fit beside its bf16 one, and its freed blocks would stay in the
+    CUDA cache. Weights and rotary angles come out as a cast of the fp32 model would give them."""
+    import specserve.models.loader as loader
+    from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    built_in = []
+
+    class Spy(Qwen3MoeForCausalLM):
+        def __init__(self, cfg, max_positions):
+            built_in.append(torch.get_default_dtype())
+            super().__init__(cfg, max_positions)
+
+    path = tiny_checkpoint("qwen3-moe", True)
+    cfg = read_model_config(path)
+    reference = build_model(cfg, path, torch.float32, torch.device("cpu"), 64, progress=False)
+    monkeypatch.setattr(loader, "model_class", lambda architecture: Spy)
+    model = build_model(cfg, path, torch.bfloat16, torch.device("cpu"), 64, progress=False)
+    assert built_in == [torch.bfloat16] and torch.get_default_dtype() == torch.float32
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        expected = theirs.to(torch.bfloat16).to(ours.dtype) if theirs.is_floating_point() else theirs
+        assert torch.equal(ours, expected), name
