@@ -15,7 +15,7 @@ from engine_runs import check_matches_hf, tight_config
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-moe"])
 def test_tiny_models_match_transformers_on_gpu_fp32(tiny_checkpoint, kind):
     path = tiny_checkpoint(kind)
     config = replace(tight_config(str(path), max_total_tokens=200), device="cuda")
