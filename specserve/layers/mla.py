@@ -14,7 +14,8 @@ The same attention runs in one of two forms:
   from the step's own latents, and attention runs at the heads' own widths, fewer operations where queries are
   many.
 Both go through layers/attention.py's `attend`, so masks, draft trees and the step-program row forms apply as
-for dense models.
+for dense models. On a GPU the row form (decode graphs, step programs) runs kernels/triton/mla_attention.py,
+which reads the latent pages in place.
 """
 from __future__ import annotations
 
@@ -80,11 +81,18 @@ class MultiHeadLatentAttention(nn.Module):
         # One plane serves as keys and as values: a value's last rope_dim entries (k_pe) come out as extra
         # output columns, dropped below.
         planes = kv_cache.expand(2, -1, -1, -1)
-        if meta.block_tables is not None:  # the step programs' row form: its GPU kernel tiles dense heads only
-            out = attend_rows(q, planes, meta, self.scale)
+        if meta.block_tables is not None and q.is_cuda and latent_kernel_takes(self.rank, self.rope_dim):
+            from specserve.kernels.triton.mla_attention import mla_decode_attention  # Triton: GPU machines only
+
+            mixed = mla_decode_attention(q, kv_cache[0], self.rank, meta.block_tables, meta.seq_lens, self.scale,
+                                         meta.page_size, meta.num_splits, meta.tail_slots, meta.tail_lens,
+                                         meta.rows_per_seq)
         else:
-            out = attend(q, entry, entry, planes, meta, self.scale)
-        mixed = out.view(q.shape[0], self.num_heads, -1)[..., :self.rank]
+            if meta.block_tables is not None:  # the row form (decode graphs, step programs), in PyTorch
+                out = attend_rows(q, planes, meta, self.scale)
+            else:
+                out = attend(q, entry, entry, planes, meta, self.scale)
+            mixed = out.view(q.shape[0], self.num_heads, -1)[..., :self.rank]
         return torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(q.shape[0], -1)
 
     def attend_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
@@ -112,6 +120,11 @@ class MultiHeadLatentAttention(nn.Module):
         """W_UK [heads, nope_dim, rank] and W_UV [heads, v_dim, rank]: views of kv_b_proj's weight."""
         weight = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         return weight[:, :self.nope_dim], weight[:, self.nope_dim:]
+
+
+def latent_kernel_takes(rank: int, rope_dim: int) -> bool:
+    """kernels/triton/mla_attention.py tiles the latent and the rotary key whole: powers of two, 16 or more."""
+    return all(n >= 16 and not n & (n - 1) for n in (rank, rope_dim))
 
 
 def only_fresh_prompts(meta: AttentionMetadata) -> bool:

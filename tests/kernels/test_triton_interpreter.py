@@ -326,3 +326,44 @@ def test_swapped_moved_norm_dot_has_as_many_slots_as_the_weight_compiled_for_sm9
     run = subprocess.run([sys.executable, "-c", _SLOTS_FOR_SM90], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).parents[2])
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+_MLA_DECODE_IN_INTERPRETER = """
+from triton.runtime import interpreter
+# Triton 3.6's interpreter takes a loop bound the kernel loaded (a context length) as int() of a one-element
+# array, which numpy 2 refuses; its first element is the bound.
+_patch = interpreter._patch_lang_tensor
+def _patch_with_index(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patch_with_index
+
+from specserve.kernels.triton.mla_attention import mla_decode_attention
+from specserve.layers.attention import AttentionMetadata, attend_rows
+torch.manual_seed(0)
+rank, rope, page = 32, 16, 4
+plane = torch.randn(160, 1, rank + rope)
+decode = dict(block_tables=torch.tensor([[3, 0, 0, 0, 0, 0], [5, 6, 7, 0, 0, 0], [10, 11, 12, 13, 14, 15]],
+                                        dtype=torch.int32), seq_lens=torch.tensor([1, 9, 23], dtype=torch.int32))
+# One draft tree of 3 nodes over a 13-token context: each row sees its ancestors' slots and its own.
+tree = dict(block_tables=torch.tensor([[20, 21, 22, 23]] * 3, dtype=torch.int32),
+            seq_lens=torch.tensor([13, 13, 13], dtype=torch.int32),
+            tail_slots=torch.tensor([[100, 0, 0], [100, 101, 0], [100, 102, 0]]),
+            tail_lens=torch.tensor([1, 2, 2], dtype=torch.int32), rows_per_seq=3)
+# 4 heads: the tree's rows share one program; 32 heads: too many rows for one, each row its own.
+for heads, case in ((4, decode), (4, tree), (32, tree)):
+    rows = case["block_tables"].shape[0]
+    q = torch.randn(rows, heads, rank + rope)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(rows, dtype=torch.long), page_size=page, **case)
+    expected = attend_rows(q, plane[None].expand(2, -1, -1, -1), meta, 0.3).view(rows, heads, -1)[..., :rank]
+    for splits in (1, 2, 4):
+        out = mla_decode_attention(q, plane, rank, case["block_tables"], case["seq_lens"], 0.3, page, splits,
+                                   case.get("tail_slots"), case.get("tail_lens"), case.get("rows_per_seq", 1))
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+"""
+
+
+def test_mla_decode_kernel_in_the_interpreter_equals_attend_rows_over_the_latent_plane():
+    # Plain decode rows and a draft tree's rows (one program for the run, or one per row), whole contexts and
+    # contexts cut into slices.
+    _run_in_interpreter(_MLA_DECODE_IN_INTERPRETER, timeout=600)
