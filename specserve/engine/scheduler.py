@@ -4,6 +4,12 @@ Each step the scheduler fills a token budget: running requests first (oldest fir
 For each request it schedules the gap between known and computed tokens, capped by the remaining budget,
 and allocates pages for exactly the tokens that step computes. If pages run out, the newest running
 request is preempted: its pages are freed and it returns to the front of the queue to be recomputed.
+
+With a prefix cache (kv/prefix.py), full pages that the target and the drafter have both computed are indexed as
+they fill, and an admitted request starts from the longest cached run of pages that its tokens match: those
+pages are shared, and it computes only the rest, always at least its last token, in pages of its own. Nothing
+is ever written below a request's computed tokens (nor below the drafter's, less its lead), so shared pages stay
+read-only without copying.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Callable
 from specserve.config import SchedulerConfig
 from specserve.core import FinishReason, Request, ScheduledSeq, Status, StepBatch
 from specserve.kv.pages import PageAllocator
+from specserve.kv.prefix import ROOT, PrefixCache
 
 
 class Scheduler:
@@ -26,8 +33,14 @@ class Scheduler:
         max_draft_tokens: int = 0,
         draft_gate: Callable[[list[Request]], bool] | None = None,
         follow_gate: Callable[[list[Request]], bool] | None = None,
+        prefix_cache: PrefixCache | None = None,
+        draft_lead: int = 0,
     ) -> None:
         self.config = config
+        self.prefix_cache = prefix_cache
+        # How far the drafter's computed tokens must run past a page for its draft KV there to be valid: an
+        # EAGLE-3 head's KV at position p reads token p + 1 (Drafter.shift); a draft model's reads token p.
+        self.draft_lead = draft_lead
         # How many tokens to draft for a decoding request this step (at most max_draft_tokens, what the
         # proposer was sized for); None: never speculate.
         self.draft_plan = draft_plan
@@ -67,6 +80,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if reason is not FinishReason.ERROR:  # a failed step may have left its KV unwritten
+            self._index_pages(request)
         self._release(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
@@ -92,6 +107,8 @@ class Scheduler:
         if self.draft_plan is not None and not prompts_pending:
             # A drafter left behind while the gate was shut catches up in the next step that drafts for it.
             drafting = self._gate_opens()
+        for request in self.running:
+            self._index_pages(request)
         budget = self.config.chunked_prefill_size
         scheduled: list[tuple[Request, int, int]] = []
         preempted = False
@@ -115,9 +132,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests:
                 break
             request = self.waiting[0]
+            hit = self._reuse_prefix(request)
             count = min(request.num_uncomputed_tokens, budget)
             if not self._grow(request, count):
+                self._release(request)  # the shared prefix too: it is matched again next time
+                request.num_computed_tokens = request.num_draft_computed_tokens = 0
                 break
+            self._record_hit(request, hit)
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
@@ -261,6 +282,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._index_pages(request)  # recomputing it will hit them, unless they are evicted first
         self._release(request)
         request.num_computed_tokens = 0
         request.num_draft_computed_tokens = 0
@@ -272,6 +294,58 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.allocator.free(request.request_id, request.page_ids)
         request.page_ids = []
+        request.num_indexed_pages = 0
+        request.indexing_closed = False
+
+    # -- prefix caching ---------------------------------------------------
+    def _reuse_prefix(self, request: Request) -> int:
+        """Starts `request` from the cached pages its tokens match, shared: the target's KV, the drafter's KV
+        and taps there are all valid for it (each page is keyed by the token after it too). Returns the tokens
+        served from the cache."""
+        if self.prefix_cache is None or request.page_ids:
+            return 0
+        pages = self.prefix_cache.match(request.token_ids[:self._real_tokens(request)])
+        if not pages:
+            return 0
+        self.allocator.share(request.request_id, pages)
+        hit = len(pages) * self.allocator.page_size
+        request.page_ids = list(pages)
+        request.num_indexed_pages = len(pages)
+        request.num_computed_tokens = hit
+        # The drafter's KV is valid over every cached page: an EAGLE-3 head has seen the token after them.
+        request.num_draft_computed_tokens = hit + self.draft_lead
+        return hit
+
+    def _record_hit(self, request: Request, hit: int) -> None:
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.record(request.num_tokens, hit)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = hit
+
+    def _index_pages(self, request: Request) -> None:
+        """Indexes the request's pages that are full and final: the target has computed all of a page, the
+        drafter too (with its lead) where speculation is configured, and the token after the page is known (not
+        a placeholder of a step in flight). A page computed while the drafter stayed behind waits until it
+        catches up, so that a hit never serves draft KV that was not computed."""
+        if self.prefix_cache is None or request.indexing_closed:
+            return
+        size = self.allocator.page_size
+        end = min(request.num_computed_tokens, self._real_tokens(request) - 1)
+        if self.draft_plan is not None:
+            end = min(end, request.num_draft_computed_tokens - self.draft_lead)
+        for k in range(request.num_indexed_pages, min(end // size, len(request.page_ids))):
+            parent = request.page_ids[k - 1] if k else ROOT
+            if not self.prefix_cache.insert(parent, request.token_ids[k * size:(k + 1) * size + 1],
+                                            request.page_ids[k]):
+                request.indexing_closed = True  # its pages after this one would hang on a page it does not hold
+                return
+            request.num_indexed_pages = k + 1
+
+    @staticmethod
+    def _real_tokens(request: Request) -> int:
+        """Tokens known for sure: under overlap the newest output may still be a placeholder."""
+        return request.num_tokens - 1 if request.num_output_tokens else request.num_tokens
 
     def _describe(self, request: Request, count: int, drafts: int, extend: bool) -> ScheduledSeq:
         start = request.num_computed_tokens
