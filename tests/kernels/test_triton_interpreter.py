@@ -70,8 +70,10 @@ assert block_expert.tolist() == [0, 1, 2, 3, -1, -1]  # expert 4 untouched; spar
 assert slot_pairs[16:19].tolist() == [1, 2, 5] and (slot_pairs[19:32] == 8).all()  # expert 1's pairs, in order
 torch.manual_seed(0)
 for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
-    # One token; widths that are not multiples of the tiles; an expert with more rows than a block holds.
-    for tokens, k, experts, hidden, inter in ((1, 2, 8, 96, 40), (7, 4, 8, 64, 64), (40, 2, 4, 96, 40)):
+    # One token; widths that are not multiples of the tiles; an expert with more rows than a block holds, in
+    # blocks of 16 and of 64 rows.
+    for tokens, k, experts, hidden, inter in ((1, 2, 8, 96, 40), (7, 4, 8, 64, 64), (40, 2, 4, 96, 40),
+                                              (300, 2, 4, 64, 40)):
         w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
         w2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype)
         x = torch.randn(tokens, hidden).to(dtype)

@@ -1,8 +1,8 @@
 """Routed experts as two grouped GEMMs over token-expert pairs sorted by expert (kernels/moe.py's
 `eager_fused_experts` is the form they are held to).
 
-The pairs are laid out in slots, each expert's run padded to whole blocks of BLOCK_M rows, so one program owns
-BLOCK_M rows of one expert and a tile of output columns: it streams that expert's weight tile once for all its
+The pairs are laid out in slots, each expert's run padded to whole blocks of rows, so one program owns a block
+of one expert's rows and a tile of output columns: it streams that expert's weight tile once for all its
 rows. A decode or verify step, where an expert gets a few rows, thus reads each touched expert's weights once.
 Laying the pairs out (`align`) takes only tensor ops sized by the step's shape, with no host sync, so a step
 that runs the kernels can be captured in a CUDA graph.
@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # the smallest tile tl.dot takes; decode rarely routes more rows than this to one expert
 BLOCK_N = 64
 BLOCK_K = 64
 
@@ -69,7 +68,15 @@ def _expert_gemm_kernel(A, W, C, SLOT_PAIRS, BLOCK_EXPERT, NUM_PAIRS, stride_am,
         tl.store(C + c_rows[:, None] * stride_cm + cols[None, :], out.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+def block_rows(num_pairs: int, num_experts: int) -> int:
+    """Rows per block. 16 (the smallest tile tl.dot takes) while experts get few rows each, as in decode and verify
+    steps: a block then reads its weight tile once for all of an expert's rows. More for prefill chunks, so that
+    an expert's weights are re-read by fewer blocks."""
+    per_expert = num_pairs / num_experts  # on average; a trained router's busiest experts get more
+    return 64 if per_expert >= 64 else 32 if per_expert >= 32 else 16
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lays the token-expert pairs (pair p = token * k + j) out by expert, each expert's run padded to whole
     blocks: returns (slot_pairs [num_blocks * block_m], the pair in each slot or T*k for a pad; block_expert
     [num_blocks], each block's expert or -1 past the last). Within an expert, pairs keep token order. The
@@ -100,17 +107,18 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     num_tokens, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
-    slot_pairs, block_expert = align(topk_ids, num_experts)
+    block_m = block_rows(num_tokens * k, num_experts)
+    slot_pairs, block_expert = align(topk_ids, num_experts, block_m)
     num_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only reaches fp32 inputs
-    act = x.new_empty(num_blocks * BLOCK_M, inter)
+    act = x.new_empty(num_blocks * block_m, inter)
     _expert_gemm_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         x, w13, act, slot_pairs, block_expert, num_tokens * k, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), N=inter, K=hidden, TOPK=k, GATHER_A=True, SCATTER_C=False, GATED=True, PRECISION=precision,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     out = x.new_empty(num_tokens * k, hidden)
     _expert_gemm_kernel[(num_blocks, triton.cdiv(hidden, BLOCK_N))](
         act, w2, out, slot_pairs, block_expert, num_tokens * k, act.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), N=hidden, K=inter, TOPK=k, GATHER_A=False, SCATTER_C=True, GATED=False,
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
