@@ -27,6 +27,7 @@ _ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 # GGUF per-block tensor stem -> HF per-layer module path.
@@ -40,9 +41,13 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+# A MoE layer's experts, stacked by GGUF into one [E, out, in] tensor per projection; HF names each expert's.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -191,7 +196,7 @@ def build_config(reader: Any) -> dict[str, Any]:
     vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     config: dict[str, Any] = {
         "architectures": [_ARCH_CLASSES[arch]],
-        "model_type": arch,
+        "model_type": {"qwen3moe": "qwen3_moe"}.get(arch, arch),  # transformers' name where it differs
         "hidden_size": hidden,
         "intermediate_size": int(meta("feed_forward_length")),
         "num_hidden_layers": int(meta("block_count")),
@@ -208,6 +213,13 @@ def build_config(reader: Any) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "torch_dtype": "float32",
     }
+    if meta("expert_count"):
+        # The layers with a router are the sparse ones. llama.cpp always renormalises Qwen3-MoE's top-k weights.
+        sparse = {int(name.split(".")[1]) for name in names if name.endswith(".ffn_gate_inp.weight")}
+        config.update(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
+                      moe_intermediate_size=int(meta("expert_feed_forward_length")), decoder_sparse_step=1,
+                      mlp_only_layers=sorted(set(range(config["num_hidden_layers"])) - sparse),
+                      norm_topk_prob=bool(meta("expert_weights_norm", True)))
     for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id")
         if token_id is not None:
@@ -228,11 +240,17 @@ def _convert_tensors(reader: Any, config: dict, dtype: torch.dtype, progress: bo
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", disable=not progress):
+        stem = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if stem in _EXPERT_NAMES:
+            layer = tensor.name.split(".")[1]
+            for expert, array in enumerate(_dequantized(tensor)):
+                name = f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[stem]}.weight"
+                tensors[name] = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
+            continue
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
         array = _dequantized(tensor)
-        stem = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if permute and stem in heads:
             array = unpermute_qk(array, heads[stem])
         # F32/F16 tensors are read-only views of the mmap; torch needs its own copy.

@@ -188,7 +188,7 @@ def test_unsupported_architecture_rejected() -> None:
     with pytest.raises(ValueError, match="gpt2"):
         gc.build_config(fake_reader("gpt2", []))
     with pytest.raises(ValueError, match="Unsupported GGUF tensor"):
-        gc.hf_tensor_name("blk.0.ffn_gate_exps.weight")
+        gc.hf_tensor_name("blk.0.ffn_gate_shexp.weight")  # Qwen2-MoE's shared expert
 
 
 def test_llama3_rope_fit_recovers_parameters() -> None:
@@ -206,3 +206,45 @@ def test_llama3_rope_fit_recovers_parameters() -> None:
     fit = gc.fit_llama3_rope(np.array(factors, dtype=np.float32), theta, dim, None)
     assert fit == {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                    "high_freq_factor": high, "original_max_position_embeddings": ctx}
+
+
+def test_qwen3_moe_experts_split_into_hf_names(tiny_checkpoint, tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE (layer 1 dense) laid out as llama.cpp writes it, each layer's experts stacked into one
+    tensor per projection, converts back to a checkpoint our loader reads into the very same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from specserve.models.loader import build_model, read_model_config
+
+    source = tiny_checkpoint("qwen3-moe")
+    hf_cfg = json.loads((source / "config.json").read_text())
+    weights = load_file(str(source / "model.safetensors"))
+    to_gguf = {f"{hf}.weight": stem for stem, hf in gc._BLOCK_NAMES.items()}
+    tensors = [fake_tensor(gguf, weights[hf].numpy()) for gguf, hf in
+               (("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight"),
+                ("output.weight", "lm_head.weight"))]
+    for layer in range(hf_cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        for name, tensor in weights.items():
+            local = name.removeprefix(prefix)
+            if name.startswith(prefix) and local in to_gguf:
+                tensors.append(fake_tensor(f"blk.{layer}.{to_gguf[local]}.weight", tensor.numpy()))
+        for stem, proj in gc._EXPERT_NAMES.items():
+            experts = [weights[f"{prefix}mlp.experts.{e}.{proj}.weight"] for e in range(8)
+                       if f"{prefix}mlp.experts.{e}.{proj}.weight" in weights]
+            if experts:
+                tensors.append(fake_tensor(f"blk.{layer}.{stem}.weight", torch.stack(experts).numpy()))
+    meta = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 4, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "attention.key_length": 32, "context_length": 512, "vocab_size": 512,
+            "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+            "attention.layer_norm_rms_epsilon": hf_cfg["rms_norm_eps"], "rope.freq_base": 10000.0}
+    reader = fake_reader("qwen3moe", tensors, **meta)
+    config = gc.build_config(reader)
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["model_type"] == "qwen3_moe"
+    assert config["mlp_only_layers"] == [1] and config["norm_topk_prob"] is True
+    save_file(gc._convert_tensors(reader, config, torch.float32, progress=False), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    load = functools.partial(build_model, dtype=torch.float32, device=torch.device("cpu"), max_positions=64,
+                             progress=False)
+    ours, theirs = load(read_model_config(tmp_path), tmp_path), load(read_model_config(source), source)
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(a, b), name
