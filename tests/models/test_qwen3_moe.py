@@ -14,7 +14,7 @@ from specserve.config import ModelConfig, SpecConfig
 from specserve.engine.factory import build_engine_core, shipped_config
 from specserve.models.loader import build_model, read_model_config
 
-from engine_runs import check_matches_hf, hf_greedy, make_prompts, run_staggered, tight_config
+from engine_runs import check_matches_hf, count_accepted, hf_greedy, make_prompts, run_staggered, tight_config
 from tiny_checkpoints import write_peaked_random_head
 
 
@@ -100,24 +100,20 @@ def moe_eagle3_head(tiny_checkpoint, tmp_path_factory):
     return write_peaked_random_head(tiny_checkpoint("qwen3-moe", True), tmp_path_factory.mktemp("moe-eagle3"))
 
 
-# An EAGLE-3 head drafting a chain of 3 and a tree of top-4 over 3 levels verifying 16 tokens; a draft model
-# (the target itself, MoE too) drafting the tree.
-@pytest.mark.parametrize("algorithm,topk,num_steps,num_draft_tokens",
-                         [("EAGLE3", 1, 3, None), ("EAGLE3", 4, 3, 16), ("DRAFT_MODEL", 4, 3, 16)])
-def test_speculative_greedy_equals_plain_greedy(moe_reference, moe_eagle3_head, algorithm, topk, num_steps,
-                                                num_draft_tokens):
+# An EAGLE-3 head drafting a chain of 3 (its step program) and a tree of top-4 over 3 levels verifying 16 tokens
+# (the general search, and the tree program); a draft model (the target itself, MoE too) drafting the tree.
+@pytest.mark.parametrize("algorithm,topk,num_steps,num_draft_tokens,tree_program",
+                         [("EAGLE3", 1, 3, None, False), ("EAGLE3", 4, 3, 16, False), ("EAGLE3", 4, 3, 16, True),
+                          ("DRAFT_MODEL", 4, 3, 16, False)])
+def test_speculative_greedy_equals_plain_greedy(moe_reference, moe_eagle3_head, switches, algorithm, topk, num_steps,
+                                                num_draft_tokens, tree_program):
+    switches(tree_program_on_cpu=tree_program)
     path, prompts, reference = moe_reference
     draft = moe_eagle3_head if algorithm == "EAGLE3" else path  # the draft model: the target itself
     spec = SpecConfig(algorithm, str(draft), num_steps, topk, num_draft_tokens)
     engine, _ = build_engine_core(replace(tight_config(str(path), 136), spec=spec), progress=False)
-    accepted = []
-    step = engine.step
-
-    def counted():
-        deltas = step()
-        accepted.extend(d.step_accepted for d in deltas if d.step_accepted is not None)
-        return deltas
-    engine.step = counted
+    assert (engine.runner.program is not None) == (topk == 1 or tree_program)
+    accepted = count_accepted(engine)
     ours, _ = run_staggered(engine, prompts)
     assert ours == reference
     assert accepted and engine.scheduler.num_preemptions > 0
