@@ -21,6 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--mem-fraction-static", type=float, default=0.85)
     g.add_argument("--max-total-tokens", type=int, default=None, help="cap on tokens held in the KV pool")
+    g.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", default=True,
+                   help="share the KV of repeated prompt prefixes between requests, draft KV included (default)")
+    g.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="prefix_caching",
+                   action="store_false", help="compute every prompt from scratch")
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens computed per step")
@@ -68,7 +72,7 @@ def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> Engin
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap,
-        cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens),
+        cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens, args.prefix_caching),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
         spec=spec_config(args, bundled_head),
     )

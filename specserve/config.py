@@ -203,6 +203,8 @@ class CacheConfig:
     mem_fraction_static: float = 0.85
     # Hard cap on pooled KV tokens; None means "size from memory".
     max_total_tokens: int | None = None
+    # Share full pages of computed prefixes between requests (kv/prefix.py), draft KV and taps included.
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

@@ -151,11 +151,9 @@ class Request:
     # For the adaptive draft plan (speculative/plan.py): drafting steps since this request last drafted.
     steps_since_drafting: int = 0
     # Prefix caching (kv/prefix.py): prompt tokens served from the cache at first admission (reported in
-    # usage), how many leading page_ids are indexed, and whether indexing stopped (another request indexed
-    # the same prefix first: this one's pages stay private).
+    # usage), and how many leading page_ids are indexed.
     num_cached_tokens: int = 0
     num_indexed_pages: int = 0
-    indexing_closed: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

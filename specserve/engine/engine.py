@@ -52,6 +52,7 @@ class TokenDelta:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token, where the request asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class EngineStats:
     # Speculation configured and the draft plan letting decode steps draft (its last answer).
     spec_drafting: bool = False
     kv_bytes_per_token: int = 0  # what the target's pool keeps per token, every layer (MLA: its latent only)
+    # Prefix caching, since start: prompt tokens admitted, and those served from the cache; pages it holds.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_cached_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -293,9 +298,12 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler
         kv = self.runner.kv_cache
+        cache = s.prefix_cache
         return EngineStats(len(s.running), len(s.waiting), s.allocator.num_used, s.allocator.num_pages,
                            s.num_preemptions, s.draft_plan is not None and s.drafting_allowed,
-                           kv[:, :, 0].numel() * kv.element_size())
+                           kv[:, :, 0].numel() * kv.element_size(),
+                           cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0,
+                           s.allocator.num_cached)
 
     def _postprocess(self, batch: StepBatch, sampled: list[list[int]], requests: list[Request] | None = None,
                      reserve: int = 0, logprobs: list[list[TokenLogprob] | None] | None = None
@@ -393,4 +401,5 @@ def _delta(request: Request, new_tokens: list[int], step_drafted: int = 0, step_
     return TokenDelta(
         request.request_id, new_tokens, reason, request.num_prompt_tokens, outputs,
         step_drafted, step_accepted, request.num_drafted_tokens, request.num_accepted_tokens, logprobs,
+        request.num_cached_tokens,
     )

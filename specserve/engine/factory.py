@@ -19,6 +19,7 @@ from specserve.engine.futures import FutureTokens
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
 from specserve.kv.pages import PageAllocator
+from specserve.kv.prefix import PrefixCache
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
 from specserve.layers.attention import decode_kernel_takes
 from specserve.models.loader import build_model
@@ -139,8 +140,10 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
         speculator = algorithm.build(config, draft, model, kv_cache, num_slots, max_bs, max_model_len, rng,
                                      capture=use_graphs, progress=progress)
     adaptive = AdaptivePlan(config.spec.max_drafts) if speculator is not None and config.spec.adaptive else None
-    scheduler = Scheduler(config.scheduler, PageAllocator(num_pages, page_size), max_model_len,
-                          *_draft_hooks(config, speculator, adaptive))
+    allocator = PageAllocator(num_pages, page_size)
+    scheduler = Scheduler(config.scheduler, allocator, max_model_len, *_draft_hooks(config, speculator, adaptive),
+                          prefix_cache=PrefixCache(allocator) if config.cache.enable_prefix_caching else None,
+                          draft_lead=speculator.proposer.drafter.shift if speculator is not None else 0)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     proposer = speculator.proposer if speculator is not None else None
     futures = FutureTokens(config.scheduler.max_running_requests, device)

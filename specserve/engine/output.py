@@ -20,6 +20,7 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     # One per output token where the request asked (SamplingParams.logprobs), else None.
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -83,6 +84,8 @@ class OutputTracker:
         out = self.output
         if out.finished:
             return ""
+        if step is not None:
+            out.num_cached_tokens = step.num_cached_tokens
         if step is not None and step.step_accepted is not None:
             out.num_spec_steps += 1
             out.num_drafted_tokens, out.num_accepted_tokens = step.num_drafted_tokens, step.num_accepted_tokens

@@ -295,7 +295,6 @@ class Scheduler:
         self.allocator.free(request.request_id, request.page_ids)
         request.page_ids = []
         request.num_indexed_pages = 0
-        request.indexing_closed = False
 
     # -- prefix caching ---------------------------------------------------
     def _reuse_prefix(self, request: Request) -> int:
@@ -328,7 +327,7 @@ class Scheduler:
         drafter too (with its lead) where speculation is configured, and the token after the page is known (not
         a placeholder of a step in flight). A page computed while the drafter stayed behind waits until it
         catches up, so that a hit never serves draft KV that was not computed."""
-        if self.prefix_cache is None or request.indexing_closed:
+        if self.prefix_cache is None:
             return
         size = self.allocator.page_size
         end = min(request.num_computed_tokens, self._real_tokens(request) - 1)
@@ -336,10 +335,15 @@ class Scheduler:
             end = min(end, request.num_draft_computed_tokens - self.draft_lead)
         for k in range(request.num_indexed_pages, min(end // size, len(request.page_ids))):
             parent = request.page_ids[k - 1] if k else ROOT
-            if not self.prefix_cache.insert(parent, request.token_ids[k * size:(k + 1) * size + 1],
-                                            request.page_ids[k]):
-                request.indexing_closed = True  # its pages after this one would hang on a page it does not hold
-                return
+            own = request.page_ids[k]
+            held = self.prefix_cache.insert(parent, request.token_ids[k * size:(k + 1) * size + 1], own)
+            if held != own:
+                # Another request computed the same page first: take its copy, so that this request's later
+                # pages hang on a page it holds. Its own copy is free once a step in flight has read it: the
+                # steps after that one run behind it.
+                self.allocator.share(request.request_id, [held])
+                self.allocator.free(request.request_id, [own])
+                request.page_ids[k] = held
             request.num_indexed_pages = k + 1
 
     @staticmethod

@@ -48,9 +48,10 @@ class PrefixCache:
             parent = page
         return pages
 
-    def insert(self, parent: int, tokens: list[int], page: int) -> bool:
-        """Indexes `page` (in use, fully computed) under `parent` with its tokens and the next one. False if
-        another page already holds that key: the caller keeps its own page private."""
+    def insert(self, parent: int, tokens: list[int], page: int) -> int:
+        """Indexes `page` (in use, fully computed) under `parent` with its tokens and the next one. Returns the
+        page that holds that key: `page`, or one indexed before it with the same contents (requests that computed
+        the same prefix at once), which the caller then uses in its place."""
         if len(tokens) != self.page_size + 1:
             raise ValueError(f"a page's key is {self.page_size + 1} tokens, got {len(tokens)}")
         if parent != ROOT and parent not in self._key:
@@ -58,14 +59,14 @@ class PrefixCache:
         key = (parent, tuple(tokens))
         held = self._pages.get(key)
         if held is not None:
-            return held == page
+            return held
         if page in self._key:
             raise RuntimeError(f"page {page} is indexed twice")
         self.allocator.cache(page)
         self._pages[key] = page
         self._key[page] = key
         self._children.setdefault(parent, set()).add(page)
-        return True
+        return page
 
     def record(self, queried: int, hit: int) -> None:
         self.queried_tokens += queried

@@ -24,6 +24,7 @@ from specserve.core import SamplingParams
 from specserve.llm import chat_prompt_ids
 from specserve.server.limits import BodyLimit
 from specserve.server.metrics import Metrics
+from specserve.server.protocol import PromptTokensDetails
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage, error_body,
                                        new_id, now)
 
@@ -323,6 +324,7 @@ def _usage(out: RequestOutput, simulated: bool) -> Usage:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
         spec_steps=out.num_spec_steps, spec_draft_tokens=out.num_drafted_tokens, spec_accepted_tokens=out.num_accepted_tokens,
         spec_mean_acceptance_length=out.mean_acceptance_length, spec_acceptance_simulated=simulated,
     )

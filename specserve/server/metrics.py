@@ -19,6 +19,14 @@ class Metrics:
         self.kv_bytes_per_token = Gauge("specserve_kv_cache_bytes_per_token",
                                         "Bytes the target's KV pool keeps per token, all layers", registry=r)
         self.preemptions = Gauge("specserve_num_preemptions", "Preemptions since start", registry=r)
+        self.prefix_queried = Gauge("specserve_prefix_cache_queries_tokens",
+                                    "Prompt tokens admitted since start (recomputes after preemption too)", registry=r)
+        self.prefix_hits = Gauge("specserve_prefix_cache_hits_tokens",
+                                 "Admitted prompt tokens served from the prefix cache since start", registry=r)
+        self.prefix_hit_rate = Gauge("specserve_prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens",
+                                     registry=r)
+        self.prefix_pages = Gauge("specserve_prefix_cache_pages", "KV pages the prefix cache holds (in use or idle)",
+                                  registry=r)
         self.spec_drafting = Gauge("specserve_spec_drafting",
                                    "1 while speculation is configured and its plan lets decode steps draft", registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens received", registry=r)
@@ -44,6 +52,10 @@ class Metrics:
         self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
         self.preemptions.set(stats.num_preemptions)
         self.spec_drafting.set(int(stats.spec_drafting))
+        self.prefix_queried.set(stats.prefix_queried_tokens)
+        self.prefix_hits.set(stats.prefix_hit_tokens)
+        self.prefix_hit_rate.set(stats.prefix_hit_tokens / max(stats.prefix_queried_tokens, 1))
+        self.prefix_pages.set(stats.prefix_cached_pages)
 
     def on_tokens(self, count: int, ttft: float | None, itl: float | None) -> None:
         self.generation_tokens.inc(count)

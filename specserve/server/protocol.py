@@ -70,10 +70,15 @@ class CompletionRequest(_Request):
     suffix: str | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     # Extensions: speculative decoding for this request (zero / null when it never drafted).
     spec_steps: int = 0  # speculative steps (each verifies one draft tree)
     spec_draft_tokens: int = 0

@@ -22,7 +22,7 @@ def _indexed(page_size: int, num_pages: int) -> tuple[PageAllocator, PrefixCache
 def test_a_shared_page_is_freed_once_after_its_last_user():
     alloc, cache = _indexed(page_size=2, num_pages=4)
     a = alloc.allocate("a", 2)
-    assert cache.insert(ROOT, [1, 2, 3], a[0]) and cache.insert(a[0], [3, 4, 5], a[1])
+    assert cache.insert(ROOT, [1, 2, 3], a[0]) == a[0] and cache.insert(a[0], [3, 4, 5], a[1]) == a[1]
     assert cache.match([1, 2, 3, 4, 5, 6]) == a
     assert cache.match([1, 2, 3, 4]) == a[:1]  # the token after the second page is unknown: not served
     assert cache.match([1, 2, 3, 4, 6]) == a[:1]  # the next token differs: the head's KV there would be stale
