@@ -270,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=2)
     spec.add_argument("--out", default=None, help="write results JSON here")
+    turns = bench_sub.add_parser("multi-turn", help="conversations replayed turn by turn, prefix caching on and off")
+    add_engine_args(turns)
+    turns.add_argument("--data", default="mt-bench", help="mt-bench (two turns) | sharegpt | a JSONL with \"turns\"")
+    turns.add_argument("--num-conversations", type=int, default=10)
+    turns.add_argument("--concurrency", type=int, default=1, help="conversations replayed together")
+    turns.add_argument("--max-tokens", type=int, default=128)
+    turns.add_argument("--out", default=None, help="write results JSON here")
     return parser
 
 
@@ -290,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.bench.decode import run_decode_bench
 
         run_decode_bench(engine_config(args), args)
+    elif args.command == "bench" and args.bench == "multi-turn":
+        from specserve.bench.multiturn import run_multi_turn_bench
+
+        run_multi_turn_bench(engine_config(args), args)
     elif args.command == "bench" and args.bench == "spec":
         from specserve.bench.spec import run_spec_bench
 

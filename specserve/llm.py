@@ -117,7 +117,7 @@ def _as_list(prompts) -> list:
     return prompts
 
 
-_CACHE_FIELDS = {"page_size", "mem_fraction_static", "max_total_tokens"}
+_CACHE_FIELDS = {"page_size", "mem_fraction_static", "max_total_tokens", "enable_prefix_caching"}
 _SCHED_FIELDS = {"max_running_requests", "chunked_prefill_size", "max_queued_requests"}
 
 

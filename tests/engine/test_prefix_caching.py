@@ -99,6 +99,21 @@ def test_greedy_with_cache_hits_equals_greedy_without(tiny_checkpoint, random_ea
     assert alloc.num_used == 0 and alloc.num_free == alloc.num_pages
     alloc.check_invariants()
     cache.check_invariants()
+    if kind == "plain":
+        _check_metrics(on)
+
+
+def _check_metrics(engine) -> None:
+    from specserve.server.metrics import Metrics
+
+    stats = engine.stats()
+    assert 0 < stats.prefix_hit_tokens < stats.prefix_queried_tokens and stats.prefix_cached_pages > 0
+    metrics = Metrics()
+    metrics.on_stats(stats)
+    text = metrics.render().decode()
+    rate = stats.prefix_hit_tokens / stats.prefix_queried_tokens
+    assert f"specserve_prefix_cache_hit_rate {rate}" in text
+    assert f"specserve_prefix_cache_hits_tokens {float(stats.prefix_hit_tokens)}" in text
 
 
 def test_eviction_under_memory_pressure_keeps_greedy_output(tiny_checkpoint, random_eagle3_head):
