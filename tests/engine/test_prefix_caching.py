@@ -1,5 +1,6 @@
 """Prefix caching through the whole engine: greedy output with cache hits equals output without caching, for
-plain decoding, EAGLE-3 chains (the chain program) and trees (the general search) and a draft model; no step
+plain decoding, EAGLE-3 chains (the chain program) and trees (the general search and the tree program) and a
+draft model; no step
 writes into a shared page (its target KV, draft KV and taps are unchanged after other requests ran over it);
 eviction under memory pressure; and, with the bundled SmolLM2 head, the same acceptance on a second pass."""
 from __future__ import annotations
@@ -74,12 +75,15 @@ def _config(target, spec: SpecConfig, caching: bool, max_total_tokens: int = 102
                         scheduler=SchedulerConfig(max_running_requests=6, chunked_prefill_size=32))
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle3-chain", "eagle3-tree", "draft-model"])
-def test_greedy_with_cache_hits_equals_greedy_without(tiny_checkpoint, random_eagle3_head, kind):
+@pytest.mark.parametrize("kind", ["plain", "eagle3-chain", "eagle3-tree", "eagle3-tree-program", "draft-model"])
+def test_greedy_with_cache_hits_equals_greedy_without(tiny_checkpoint, random_eagle3_head, switches, kind):
     target = tiny_checkpoint("llama", True)
+    if kind == "eagle3-tree-program":  # the tree program, as on a GPU: nodes verified in scratch slots, then moved
+        switches(tree_program_on_cpu=True)
     spec = {"plain": SpecConfig(),
             "eagle3-chain": SpecConfig("EAGLE3", str(random_eagle3_head), 3, 1),
             "eagle3-tree": SpecConfig("EAGLE3", str(random_eagle3_head), 3, 2, 6),
+            "eagle3-tree-program": SpecConfig("EAGLE3", str(random_eagle3_head), 3, 2, 6),
             "draft-model": SpecConfig("DRAFT_MODEL", str(target), 3, 1)}[kind]
     off, _ = build_engine_core(_config(target, spec, caching=False), progress=False)
     on, _ = build_engine_core(_config(target, spec, caching=True), progress=False)
