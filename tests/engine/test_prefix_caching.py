@@ -1,8 +1,8 @@
 """Prefix caching through the whole engine: greedy output with cache hits equals output without caching, for
 plain decoding, EAGLE-3 chains (the chain program) and trees (the general search and the tree program) and a
-draft model; no step
-writes into a shared page (its target KV, draft KV and taps are unchanged after other requests ran over it);
-eviction under memory pressure; and, with the bundled SmolLM2 head, the same acceptance on a second pass."""
+draft model; no step writes into a shared page (its target KV, draft KV and taps are unchanged after other
+requests ran over it); eviction under memory pressure; and, with the bundled SmolLM2 head, the same acceptance
+on a second pass."""
 from __future__ import annotations
 
 import random
