@@ -24,6 +24,25 @@ MAX_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 100.0
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: the grammar a request's output must match (structured/grammar.py compiles it).
+    kind: "json_object" (any JSON object; no text), "json_schema" (text: the schema as JSON), "regex", or
+    "ebnf" (xgrammar's EBNF, rule `root` first)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.text:
+            raise ValueError(f"a {self.kind} constraint needs its text")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16
@@ -45,6 +64,9 @@ class SamplingParams:
     # Log-probabilities of each emitted token under the target (its raw logits, before penalties and
     # temperature), with this many top alternatives; None: not computed.
     logprobs: int | None = None
+    # The grammar the output must match (None: free text). Tokens it forbids get no probability, drafts
+    # included, and the request finishes ("stop") when the grammar ends.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs so params stay hashable and picklable as one value.
@@ -95,7 +117,7 @@ class SamplingParams:
     def needs_host_logits(self) -> bool:
         """Whether the step must see this request's logit rows (adjusting them, or reporting log-probabilities):
         the fixed-shape step programs and overlapped steps leave it to the general path."""
-        return self.adjusts_logits or self.logprobs is not None
+        return self.adjusts_logits or self.logprobs is not None or self.constraint is not None
 
 
 def _as_tuple(stop: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
@@ -150,6 +172,9 @@ class Request:
     num_accepted_tokens: int = 0
     # For the adaptive draft plan (speculative/plan.py): drafting steps since this request last drafted.
     steps_since_drafting: int = 0
+    # Structured output: the grammar state over the emitted tokens (structured.state.GrammarState, opaque
+    # here), made at admission when params.constraint is set, dropped when the request finishes.
+    grammar: object | None = None
     # Prefix caching (kv/prefix.py): prompt tokens served from the cache at first admission (reported in
     # usage), and how many leading page_ids are indexed.
     num_cached_tokens: int = 0
@@ -208,6 +233,9 @@ class ScheduledSeq:
     # sampled row sees history[:start_pos + len(token_ids)]. The request's own list, read during the step only.
     history: list[int] | None = None
     num_prompt_tokens: int = 0
+    # The request's grammar state (Request.grammar) where it samples under a constraint: masks for this step's
+    # rows are read from it, and it is not advanced during the step.
+    grammar: object | None = None
 
 
 @dataclass(frozen=True)

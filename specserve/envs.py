@@ -72,6 +72,10 @@ class Switches:
     chain_shared_context: bool = _switch(
         True, "On a GPU, a chain step's catch-up and verified rows of a sequence attend as one run over the "
               "context before them. Off: each row on its own, like a decode row.")
+    # Tests only.
+    triton_interpreter_tests: bool = _switch(
+        False, "Run the Triton kernels' tests in Triton's CPU interpreter (tests/kernels/test_triton_interpreter.py) "
+               "where Triton is installed. Off: they skip; they take many minutes on a small CPU.")
 
 
 def env_name(name: str) -> str:

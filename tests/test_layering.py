@@ -17,7 +17,7 @@ LAYERS = (
     ("core", "config", "envs", "transfer", "graph_shapes", "model_configs", "draft_heads"),
     ("kernels",),
     ("layers",),
-    ("sampling",),
+    ("sampling", "structured"),
     ("models",),
     ("kv",),
     ("speculative",),

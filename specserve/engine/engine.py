@@ -95,11 +95,12 @@ class StepObserver(Protocol):
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, eos_token_ids: tuple[int, ...],
-                 overlap: bool = False, observer: StepObserver | None = None, vocab_size: int | None = None
-                 ) -> None:
+                 overlap: bool = False, observer: StepObserver | None = None, vocab_size: int | None = None,
+                 grammars=None) -> None:
         self.scheduler = scheduler
         self.vocab_size = vocab_size  # token ids past it have no embedding: refused at admission
         self.runner = runner
+        self.grammars = grammars  # structured.grammar.Grammars: compiles constraints (None: refused)
         self.observer = observer
         self._last_step: tuple[StepBatch, float] | None = None  # for the observer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -124,7 +125,12 @@ class EngineCore:
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room in a context of {self.max_model_len}")
         max_tokens = room if params.max_tokens is None else params.max_tokens
-        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, max_tokens))
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens)
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer, and this engine has none")
+            request.grammar = self.grammars.state(params.constraint)  # ValueError for an invalid grammar
+        self.scheduler.add(request)
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         if self.vocab_size is None:
@@ -187,8 +193,10 @@ class EngineCore:
 
     def _run(self, batch: StepBatch) -> list[TokenDelta]:
         # Drafting reads the tokens on the host, and penalties read the request's tokens so far, which under
-        # overlap may end in a placeholder: either step waits for the one in flight.
-        if self.overlap and not any(s.num_draft_tokens or s.history is not None for s in batch.seqs):
+        # overlap may end in a placeholder; a grammar's mask needs its state past the newest token: each
+        # such step waits for the one in flight.
+        if self.overlap and not any(s.num_draft_tokens or s.history is not None or s.grammar is not None
+                                    for s in batch.seqs):
             return self._step_overlapped(batch)
         deltas = self._read_back()
         batch = self._with_known_tokens(batch)
@@ -275,7 +283,7 @@ class EngineCore:
                     continue  # finished or aborted after this step was launched: its token is dropped
                 self._known[request.token_ids[index]] = token
                 request.token_ids[index] = token
-                reason = self._finish_reason(request, token, index + 1)
+                reason = _grammar_finish(request, token) or self._finish_reason(request, token, index + 1)
                 if reason is not None:
                     del request.token_ids[index + 1:]  # the placeholder of a step launched since
                     self.scheduler.finish(request, reason)
@@ -351,7 +359,7 @@ class EngineCore:
         """Stop conditions apply inside an accepted run: nothing after a stop is ever emitted."""
         for i, token in enumerate(tokens):
             request.token_ids.append(token)
-            reason = self._finish_reason(request, token, request.num_tokens)
+            reason = _grammar_finish(request, token) or self._finish_reason(request, token, request.num_tokens)
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 return tokens[: i + 1]
@@ -385,6 +393,18 @@ class EngineCore:
         if num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _grammar_finish(request: Request, token: int) -> FinishReason | None:
+    """Advances a constrained request's grammar over an emitted token: STOP once the grammar has ended (it
+    accepted a stop token, which ends the request even under ignore_eos), ERROR if it forbids the token (masks
+    make that impossible unless something bypassed them)."""
+    if request.grammar is None:
+        return None
+    if not request.grammar.accept(token):
+        log.error("request %s: its grammar forbids emitted token %d", request.request_id, token)
+        return FinishReason.ERROR
+    return FinishReason.STOP if request.grammar.terminated else None
 
 
 def _advance_drafter(request: Request, seq: ScheduledSeq) -> None:

@@ -26,6 +26,7 @@ from specserve.models.loader import build_model
 from specserve.models.registry import model_config
 from specserve.speculative import registry as speculative_registry
 from specserve.speculative.plan import AdaptivePlan
+from specserve.structured.grammar import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,23 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
     overlap = device.type == "cuda" and not config.disable_overlap
     freeze_startup_objects()
-    engine = EngineCore(scheduler, runner, tuple(dict.fromkeys(eos)), overlap, adaptive, model_cfg.vocab_size)
+    eos = tuple(dict.fromkeys(eos))
+    engine = EngineCore(scheduler, runner, eos, overlap, adaptive, model_cfg.vocab_size,
+                        _grammars(resolved.tokenizer_dir, model_cfg.vocab_size, eos))
     return engine, resolved
+
+
+def _grammars(tokenizer_dir, vocab_size: int, eos: tuple[int, ...]) -> Grammars | None:
+    """Structured output's grammar compiler; it reads the tokenizer on the first constrained request."""
+    if tokenizer_dir is None:
+        return None
+
+    def load():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    return Grammars(load, vocab_size, eos)
 
 
 def freeze_startup_objects() -> None:

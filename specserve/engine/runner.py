@@ -11,6 +11,7 @@ from specserve.core import StepBatch, TokenLogprob
 from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.layers.attention import AttentionMetadata
+from specserve.sampling.grammar_mask import mask_logits
 from specserve.sampling.logprobs import LogprobRows
 from specserve.sampling.penalties import adjust_logits, seq_context
 from specserve.sampling.sampler import sample
@@ -248,7 +249,8 @@ class ModelRunner:
         for i, first, width in spans:
             if i in trees:
                 seq, tree, raw = seqs[i], trees[i], logits[first:first + width]
-                verdict = self._verdict(adjust_logits(raw, _tree_contexts(seq, tree)), tree, seq)
+                adjusted = mask_logits(adjust_logits(raw, _tree_contexts(seq, tree)), _tree_masks(seq, tree))
+                verdict = self._verdict(adjusted, tree, seq)
                 self._compact_kv(seq, verdict.accepted_nodes, page_size)
                 results[i], logprobs[i] = verdict.tokens, _verdict_logprobs(seq, raw, verdict)
         tokens = [results[i] for i, _, _ in spans]
@@ -279,7 +281,17 @@ class ModelRunner:
 
 
 def _sample_rows(seqs, logits: torch.Tensor, contexts) -> torch.Tensor:
-    return sample(adjust_logits(logits, contexts), [s.params for s in seqs], [s.sample_seed for s in seqs])
+    masks = [s.grammar.next_mask() if s.grammar is not None else None for s in seqs]
+    adjusted = mask_logits(adjust_logits(logits, contexts), masks)
+    return sample(adjusted, [s.params for s in seqs], [s.sample_seed for s in seqs])
+
+
+def _tree_masks(seq, tree) -> list:
+    """Each tree node's grammar mask (the grammar state after the drafts on the path to it), or None per row
+    for an unconstrained request."""
+    if seq.grammar is None:
+        return [None] * len(tree.tokens)
+    return list(seq.grammar.tree_masks(tree.tokens, tree.parents).split(1))
 
 
 def _tree_contexts(seq, tree) -> list:

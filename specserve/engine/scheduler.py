@@ -83,6 +83,7 @@ class Scheduler:
         if reason is not FinishReason.ERROR:  # a failed step may have left its KV unwritten
             self._index_pages(request)
         self._release(request)
+        request.grammar = None  # its matcher's memory goes back with the pages
         request.status = Status.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
@@ -379,6 +380,7 @@ class Scheduler:
             draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:catch_up_end],
             history=request.token_ids if sample and request.params.adjusts_logits else None,
             num_prompt_tokens=request.num_prompt_tokens,
+            grammar=request.grammar if sample else None,
         )
 
 

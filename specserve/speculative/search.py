@@ -9,6 +9,12 @@ tree. From the root, take the top-k next tokens; feed those k nodes back, take t
 and keep the k best of the k*k by cumulative log-probability as the next nodes to feed; after `num_steps`
 levels keep the `num_draft_tokens` best candidates overall. With topk = 1 this is a greedy chain.
 
+Under a grammar (structured output), each draft row is masked in the draft vocabulary by what the grammar
+allows after the root and the drafts on the path to the row's node, so the search never proposes a token the
+target's masked distribution could not emit; where the grammar allows a single token, the chain drafts it.
+Only a node with fewer allowed tokens than topk gets forbidden children (at -inf: ranked last, and rejected
+by verification if a budget still keeps them).
+
 A drafter's KV pool mirrors the target's page layout (same page ids, its own tensors), so drafting needs no
 pages of its own: position p of a request lives at the same slot in both pools. Nodes fed back while
 searching live in a scratch region after the mirrored slots; their KV is thrown away after the step.
@@ -21,6 +27,7 @@ import torch
 
 from specserve.core import ScheduledSeq, StepBatch
 from specserve.layers.attention import AttentionMetadata
+from specserve.sampling.grammar_mask import allowed_tokens
 from specserve.speculative.drafters.base import Drafter
 from specserve.speculative.tree import DraftTree, best_first_tree
 
@@ -56,6 +63,15 @@ class _Search:
     fed: list[int] = field(default_factory=list)  # candidates already fed, in feed order
     # Row of the drafter's latest output whose state a candidate is fed with: its parent's row.
     state_row: dict[int, int] = field(default_factory=dict)
+    grammar: object | None = None  # the request's grammar state (structured/state.py), if constrained
+
+    def path(self, candidate: int) -> list[int]:
+        """The draft tokens from the root down to `candidate` (-1: the root itself, no tokens)."""
+        tokens = []
+        while candidate != -1:
+            tokens.append(self.candidates[candidate][0])
+            candidate = self.candidates[candidate][1]
+        return tokens[::-1]
 
     def add_level(self, parents: list[int], first_row: int, tokens: list[list[int]], logps: list[list[float]],
                   topk: int) -> None:
@@ -96,6 +112,7 @@ class TreeProposer:
         self.scratch_stride = scratch_slots(topk, num_steps, max_drafts)
         self.device = device
         self.capture_layers = drafter.capture_layers
+        self._draft_to_target: torch.Tensor | None = None  # every draft id's target id, for grammar masks
 
     def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         self.drafter.observe(captured, slot_mapping)
@@ -141,17 +158,44 @@ class TreeProposer:
             depth=search_depth(seq.num_draft_tokens, self.topk, self.num_steps),
             context_slots=table[pos // page_size] * page_size + pos % page_size,
             scratch_base=self.scratch_start + j * self.scratch_stride,
+            grammar=seq.grammar,
         )
 
     def _grow(self, searches: list[_Search], active: list[int], parents: list[list[int]], logits: torch.Tensor) -> None:
         """`logits` has one row per parent, in order; each parent gets its top-k children."""
-        top = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        logits = self._mask_drafts(searches, active, parents, logits.float())
+        top = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
         tokens = self.drafter.to_target_ids(top.indices).tolist()
         values = top.values.tolist()
         row = 0
         for j, ps in zip(active, parents):
             searches[j].add_level(ps, row, tokens[row:row + len(ps)], values[row:row + len(ps)], self.topk)
             row += len(ps)
+
+    def _mask_drafts(self, searches: list[_Search], active: list[int], parents: list[list[int]],
+                     logits: torch.Tensor) -> torch.Tensor:
+        """The draft rows of constrained searches with the tokens their grammar forbids at -inf (read in the
+        draft vocabulary through the drafter's id map). A row whose grammar allows no draft-vocabulary token
+        stays as it is: its drafts are wasted either way, and an all -inf row has no log-softmax."""
+        rows, masks, first = [], [], 0
+        for j, ps in zip(active, parents):
+            grammar = searches[j].grammar
+            if grammar is not None:
+                rows.extend(range(first, first + len(ps)))
+                masks.append(grammar.path_masks([searches[j].path(p) for p in ps]))
+            first += len(ps)
+        if not rows:
+            return logits
+        if self._draft_to_target is None or len(self._draft_to_target) != logits.shape[-1]:
+            ids = torch.arange(logits.shape[-1], device=logits.device)
+            self._draft_to_target = self.drafter.to_target_ids(ids)
+        target_allowed = allowed_tokens(torch.cat(masks), int(self._draft_to_target.max()) + 1, logits.device)
+        allowed = target_allowed[:, self._draft_to_target]
+        allowed |= ~allowed.any(dim=1, keepdim=True)
+        index = torch.tensor(rows, device=logits.device)
+        logits = logits.clone()
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _feed(self, searches: list[_Search], active: list[int], level: int, states: torch.Tensor | None):
         """Feeds each active search's frontier (its nodes at depth `level`) to the drafter."""
