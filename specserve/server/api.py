@@ -18,11 +18,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve import __version__
 from specserve.config import ServerConfig
-from specserve.engine.async_engine import AsyncEngine, EngineError, QueueFull
+from specserve.engine.async_engine import AsyncEngine, EngineError, Generation, QueueFull
 from specserve.engine.output import RequestOutput
-from specserve.core import SamplingParams
+from specserve.core import MAX_INT64, MAX_LOGPROBS, SamplingParams
 from specserve.llm import chat_prompt_ids
 from specserve.server.limits import BodyLimit
+from specserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs, total_logprob
 from specserve.server.metrics import Metrics
 from specserve.server.protocol import PromptTokensDetails
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage, error_body,
@@ -89,6 +90,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
     # keep their event loop. One thread, as the fast tokenizer's split_special_tokens is state (specserve/llm.py).
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     longest = _longest_token(engine.tokenizer)
+    strings = TokenStrings(engine.tokenizer)
 
     async def tokenize(fn, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
@@ -97,17 +99,20 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
         _check_request(body, vocab_size)
+        _check_choices(body, limit)
         prompt_ids = await tokenize(_completion_prompt, engine.tokenizer, body.prompt, engine.context_length, longest)
+        echo = _echo_text(engine.tokenizer, body.prompt, prompt_ids) if body.echo else ""
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=False, model_name=model_name,
-                            simulated=simulated)
+                            simulated=simulated, strings=strings, echo=echo)
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model, model_name)
         _check_request(body, vocab_size)
+        _check_choices(body, limit)
         prompt_ids = await tokenize(_chat_prompt, engine.tokenizer, body, engine.context_length, longest)
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name,
-                            simulated=simulated)
+                            simulated=simulated, strings=strings)
 
     return app
 
@@ -190,6 +195,53 @@ def _check_request(body, vocab_size: int | None) -> None:
     if getattr(body, "max_completion_tokens", None) is not None and body.max_completion_tokens < 1:
         raise APIError(400, f"max_completion_tokens must be at least 1, got {body.max_completion_tokens}",
                        param="max_completion_tokens")
+    _check_logit_bias(body.logit_bias, vocab_size)
+    _check_logprobs(body)
+
+
+def _check_logit_bias(bias: dict | None, vocab_size: int | None) -> None:
+    """OpenAI's form: {"token id": bias in [-100, 100]}."""
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise APIError(400, f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias for token {key} must be a number in [-100, 100], got {value!r}",
+                           param="logit_bias")
+
+
+def _check_logprobs(body) -> None:
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                           param="top_logprobs")
+        return
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", param="logprobs")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs the prompt's log-probabilities, which this server does not "
+                       "compute; send one or the other", param="echo")
+
+
+def _check_choices(body, limit: int) -> None:
+    """n choices (and best_of runs, of which the n best are returned) are that many requests to the engine:
+    at most as many as the server may hold at once, and at most OpenAI's 128."""
+    best_of = getattr(body, "best_of", None)
+    most = min(limit, MAX_CHOICES)
+    for param, value in (("n", body.n), ("best_of", best_of)):
+        if value is not None and not 1 <= value <= most:
+            raise APIError(400, f"{param} must be in [1, {most}], got {value}", param=param)
+    if best_of is not None and best_of < body.n:
+        raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", param="best_of")
+    if best_of is not None and best_of > body.n and body.stream:
+        raise APIError(400, "best_of larger than n cannot stream: the best choices are known only at the end",
+                       param="best_of")
 
 
 def _unsupported(body) -> list[tuple[str, object, object]]:
@@ -198,21 +250,13 @@ def _unsupported(body) -> list[tuple[str, object, object]]:
     def no_op(value, default):
         return default if value is None else value
 
-    rows = [("n", body.n, 1), ("presence_penalty", body.presence_penalty, 0.0),
-            ("frequency_penalty", body.frequency_penalty, 0.0), ("repetition_penalty", body.repetition_penalty, 1.0),
-            ("logit_bias", no_op(body.logit_bias, {}), {}),
-            # Chat's logprobs is a bool; completions' an int, where even 0 asks for the chosen tokens' logprobs
-            # (and 0 == False, hence the identity test).
-            ("logprobs", None if body.logprobs is False else body.logprobs, None)]
     if isinstance(body, CompletionRequest):
-        rows += [("best_of", no_op(body.best_of, 1), 1), ("echo", body.echo, False), ("suffix", body.suffix or "", "")]
-    else:
-        rows += [("top_logprobs", no_op(body.top_logprobs, 0), 0),
-                 ("response_format", no_op(body.response_format, {"type": "text"}), {"type": "text"}),
-                 ("tools", no_op(body.tools, []), []), ("tool_choice", no_op(body.tool_choice, "none"), "none"),
-                 ("functions", no_op(body.functions, []), []),
-                 ("function_call", no_op(body.function_call, "none"), "none")]
-    return rows
+        return [("suffix", body.suffix or "", "")]
+    # Structured output (response_format) and tool calling wait for their own items.
+    return [("response_format", no_op(body.response_format, {"type": "text"}), {"type": "text"}),
+            ("tools", no_op(body.tools, []), []), ("tool_choice", no_op(body.tool_choice, "none"), "none"),
+            ("functions", no_op(body.functions, []), []),
+            ("function_call", no_op(body.function_call, "none"), "none")]
 
 
 def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
@@ -235,6 +279,10 @@ def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, seed=body.seed, stop=body.stop, stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias={int(token): float(bias) for token, bias in (body.logit_bias or {}).items()},
+            logprobs=_logprobs_asked(body),
         )
     except ValueError as exc:
         param = next((name for name in _SAMPLING_FIELDS if str(exc).startswith(name)), None)
@@ -242,29 +290,73 @@ def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
 
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+MAX_CHOICES = 128  # OpenAI's bound on n
+
+
+def _logprobs_asked(body) -> int | None:
+    """The top alternatives per token the client asked for; None: no logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def _echo_text(tokenizer, prompt, prompt_ids: list[int]) -> str:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
 
 
 # -- serving ------------------------------------------------------------------
 async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int, body, prompt_ids, *, chat: bool,
-                 model_name: str, simulated: bool) -> Response:
+                 model_name: str, simulated: bool, strings: TokenStrings, echo: str = "") -> Response:
     if not engine.is_healthy():
         raise APIError(503, "the model is still loading or the engine is down", "ServiceUnavailableError")
     params = _sampling_params(body, len(prompt_ids), engine.context_length)
     _check_fits_in_pool(engine, len(prompt_ids), params)
+    n = body.n
+    runs = getattr(body, "best_of", None) or n
+    if runs > n and params.logprobs is None:  # best_of ranks the runs by their log-probabilities
+        run_params = dataclasses.replace(params, logprobs=0)
+    else:
+        run_params = params
     request_id = new_id("chatcmpl" if chat else "cmpl")
-    try:  # admission: the engine checks the limit and counts the request in one step
-        results = engine.generate(request_id, prompt_ids, params, max_in_flight=limit)
-    except QueueFull as exc:
-        response = _error_response(APIError(429, str(exc), "RateLimitError"))
-        response.headers["Retry-After"] = "1"
-        return response
-    except EngineError as exc:
+    # Admission: all runs or none. The check and the n generate() calls are one synchronous step, so no other
+    # request is admitted in between.
+    if engine.num_in_flight + runs > limit:
+        return _queue_full(f"the server's request queue has no room for {runs} more requests; retry later")
+    generations: list[Generation] = []
+    try:
+        for i in range(runs):
+            run_id = request_id if runs == 1 else f"{request_id}-{i}"
+            generations.append(engine.generate(run_id, prompt_ids, _seeded(run_params, i), max_in_flight=limit))
+    except (QueueFull, EngineError) as exc:
+        for generation in generations:
+            await generation.aclose()
+        if isinstance(exc, QueueFull):
+            return _queue_full(str(exc))
         raise APIError(503, str(exc), "ServiceUnavailableError") from exc
-    metrics.prompt_tokens.inc(len(prompt_ids))
-    shape = _ChunkShape(request_id, model_name, chat, simulated)
+    metrics.prompt_tokens.inc(len(prompt_ids) * runs)
+    shape = _ChunkShape(request_id, model_name, chat, simulated, strings,
+                        logprobs=params.logprobs is not None, echo=echo)
     if body.stream:
-        return StreamingResponse(_sse(results, shape, body.include_usage), media_type="text/event-stream")
-    return await _until_done_or_disconnect(raw, _collect(results, shape))
+        return StreamingResponse(_sse(generations, shape, body.include_usage), media_type="text/event-stream")
+    return await _until_done_or_disconnect(raw, _collect(generations, shape, n))
+
+
+def _queue_full(message: str) -> Response:
+    response = _error_response(APIError(429, message, "RateLimitError"))
+    response.headers["Retry-After"] = "1"
+    return response
+
+
+def _seeded(params: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of n runs: seed + i when a seed is given, so the n choices differ and the whole is reproducible."""
+    if params.seed is None or i == 0:
+        return params
+    seed = params.seed + i
+    return dataclasses.replace(params, seed=seed if seed <= MAX_INT64 else seed - MAX_INT64 - 1)
 
 
 def _check_fits_in_pool(engine: AsyncEngine, prompt_len: int, params: SamplingParams) -> None:
@@ -294,73 +386,158 @@ async def _disconnected(raw: Request) -> None:
 
 
 class _ChunkShape:
-    def __init__(self, request_id: str, model: str, chat: bool, simulated: bool) -> None:
+    """Builds the response bodies and stream chunks of one request, whatever its number of choices."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, simulated: bool, strings: TokenStrings,
+                 logprobs: bool = False, echo: str = "") -> None:
         self.id, self.model, self.chat, self.created = request_id, model, chat, now()
         self.simulated = simulated  # acceptance is simulated: say so in every usage block
+        self.strings = strings
+        self.logprobs = logprobs  # the client asked for them (best_of may compute them for itself only)
+        self.echo = echo  # completions' echo: the prompt's text, put before each choice's
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def _logprobs(self, rows, text_offset: int = 0) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(rows, self.strings)
+        return completion_logprobs(rows, self.strings, text_offset)
+
+    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False, rows=None,
+              text_offset: int = 0) -> dict:
+        logprobs = self._logprobs(rows, text_offset) if rows is not None else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                     "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [choice]}
 
-    def final(self, out: RequestOutput) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "finish_reason": out.finish_reason, "logprobs": None}
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": _usage(out, self.simulated).model_dump()}
+    def final(self, chosen: list[RequestOutput], every: list[RequestOutput]) -> dict:
+        """The body for the `chosen` choices; usage counts `every` run (best_of's discarded ones too)."""
+        choices = []
+        for index, out in enumerate(chosen):
+            logprobs = self._logprobs(out.logprobs or [])
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                                "finish_reason": out.finish_reason, "logprobs": logprobs})
+            else:
+                choices.append({"index": index, "text": self.echo + out.text, "finish_reason": out.finish_reason,
+                                "logprobs": logprobs})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": _usage(every, self.simulated).model_dump()}
 
 
-def _usage(out: RequestOutput, simulated: bool) -> Usage:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def _usage(outputs: list[RequestOutput], simulated: bool) -> Usage:
+    """One prompt, and the tokens and speculative steps of every run summed."""
+    prompt = len(outputs[0].prompt_token_ids)
+    completion = sum(len(out.token_ids) for out in outputs)
+    steps = sum(out.num_spec_steps for out in outputs)
+    drafted = sum(out.num_drafted_tokens for out in outputs)
+    accepted = sum(out.num_accepted_tokens for out in outputs)
+    cached = PromptTokensDetails(cached_tokens=max(out.num_cached_tokens for out in outputs))
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
-        spec_steps=out.num_spec_steps, spec_draft_tokens=out.num_drafted_tokens, spec_accepted_tokens=out.num_accepted_tokens,
-        spec_mean_acceptance_length=out.mean_acceptance_length, spec_acceptance_simulated=simulated,
+        prompt_tokens_details=cached,
+        spec_steps=steps, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+        spec_mean_acceptance_length=(accepted + steps) / steps if steps else None,
+        spec_acceptance_simulated=simulated,
     )
 
 
-async def _collect(results: AsyncIterator[tuple[str, RequestOutput]], shape: _ChunkShape) -> Response:
+async def _run_to_end(generation: Generation) -> RequestOutput:
     output = None
     try:
-        async for _, output in results:
+        async for _, output in generation:
             pass
-    except ValueError as exc:  # the engine refused the request
-        return _error_response(APIError(400, str(exc)))
-    except EngineError as exc:
-        return _error_response(APIError(500, f"generation failed: {exc}", "InternalServerError"))
     finally:
-        await results.aclose()  # on cancellation this aborts the request and frees its pages now, not at GC
-    if output.finish_reason == "error":
-        return _error_response(APIError(500, "the engine failed on this request", "InternalServerError"))
-    return JSONResponse(shape.final(output))
+        await generation.aclose()  # on cancellation this aborts the request and frees its pages now, not at GC
+    return output
 
 
-async def _sse(results, shape: _ChunkShape, include_usage: bool) -> AsyncIterator[str]:
-    output = None
+async def _collect(generations: list[Generation], shape: _ChunkShape, n: int) -> Response:
+    tasks = [asyncio.ensure_future(_run_to_end(g)) for g in generations]
     try:
-        if shape.chat:
-            yield _event(shape.chunk(None, None, role=True))
-        async for text, output in results:
-            finish = output.finish_reason
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # one run failed, or the client left: the others stop too
+        for task in tasks:
+            task.cancel()
+        for generation in generations:
+            await generation.aclose()
+    failure = next((t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+    if isinstance(failure, ValueError):  # the engine refused the request
+        return _error_response(APIError(400, str(failure)))
+    if isinstance(failure, EngineError):
+        return _error_response(APIError(500, f"generation failed: {failure}", "InternalServerError"))
+    if failure is not None:
+        raise failure
+    outputs = [task.result() for task in tasks]
+    if any(out.finish_reason == "error" for out in outputs):
+        return _error_response(APIError(500, "the engine failed on this request", "InternalServerError"))
+    chosen = outputs
+    if len(outputs) > n:  # best_of: the n runs of highest total log-probability, best first
+        chosen = sorted(outputs, key=lambda out: total_logprob(out.logprobs), reverse=True)[:n]
+    return JSONResponse(shape.final(chosen, outputs))
+
+
+_RUN_DONE = object()
+
+
+async def _sse(generations: list[Generation], shape: _ChunkShape, include_usage: bool) -> AsyncIterator[str]:
+    """One stream for all choices: each run's chunks as they come, marked by index. A chunk carries the
+    logprobs of every token since its choice's last chunk (a token that ends inside a character adds no text)."""
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        # The output object keeps changing while its chunk waits in the queue: take what this step said now.
+        try:
+            async for text, output in generation:
+                rows = None if output.logprobs is None else len(output.logprobs)
+                arrivals.put_nowait((index, text, (output.finish_reason, rows, output)))
+        except (EngineError, ValueError) as exc:
+            arrivals.put_nowait((index, exc, None))
+        finally:
+            await generation.aclose()
+            arrivals.put_nowait((index, _RUN_DONE, None))
+
+    outputs: list[RequestOutput | None] = [None] * len(generations)
+    sent_rows = [0] * len(generations)  # logprob rows already sent, per choice
+    offsets = [len(shape.echo)] * len(generations)  # characters of text already sent, per choice
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        for index in range(len(generations)):
+            if shape.chat:
+                yield _event(shape.chunk(index, None, None, role=True))
+            elif shape.echo:
+                yield _event(shape.chunk(index, shape.echo, None))
+        running = len(generations)
+        while running:
+            index, text, step = await arrivals.get()
+            if text is _RUN_DONE:
+                running -= 1
+                continue
+            if isinstance(text, Exception):
+                yield _event(error_body(f"generation failed: {text}", "InternalServerError", 500))
+                break
+            finish, num_rows, outputs[index] = step
             if text or finish:
-                yield _event(shape.chunk(text, finish))
-    except (EngineError, ValueError) as exc:
-        yield _event(error_body(f"generation failed: {exc}", "InternalServerError", 500))
-    finally:
-        await results.aclose()  # a client that hangs up lands here: abort and free its pages
-    if include_usage and output is not None:
-        usage_chunk = {**shape.chunk(None, None), "choices": [], "usage": _usage(output, shape.simulated).model_dump()}
+                rows = None
+                if num_rows is not None:
+                    rows = outputs[index].logprobs[sent_rows[index]:num_rows]
+                    sent_rows[index] = max(sent_rows[index], num_rows)
+                yield _event(shape.chunk(index, text, finish, rows=rows, text_offset=offsets[index]))
+                offsets[index] += len(text)
+    finally:  # a client that hangs up lands here: abort every run and free its pages
+        for task in tasks:
+            task.cancel()
+        for generation in generations:
+            await generation.aclose()
+    done = [out for out in outputs if out is not None]
+    if include_usage and done:
+        usage_chunk = {**shape.chunk(0, None, None), "choices": [], "usage": _usage(done, shape.simulated).model_dump()}
         yield _event(usage_chunk)
     yield "data: [DONE]\n\n"
 

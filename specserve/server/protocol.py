@@ -26,11 +26,10 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     skip_special_tokens: bool = True
-    # Accepted so that they can be refused by name (server/api.py) until implemented; defaults are no-ops.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: bool | int | None = None
+    # {"token id": bias}; its keys, values and ids are checked in server/api.py, so errors name `logit_bias`.
     logit_bias: dict | None = None
 
     @model_validator(mode="before")
@@ -54,7 +53,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Accepted so that they can be refused by name (server/api.py) until implemented; defaults are no-ops.
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -65,9 +66,10 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16
+    logprobs: int | None = None  # top alternatives per token; 0: the chosen token's only
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = None  # None: n
+    suffix: str | None = None  # refused by name unless empty (vLLM has no suffix either)
 
 
 class PromptTokensDetails(BaseModel):
