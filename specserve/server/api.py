@@ -25,6 +25,7 @@ from specserve.llm import chat_prompt_ids
 from specserve.server.limits import BodyLimit
 from specserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs, total_logprob
 from specserve.server.metrics import Metrics
+from specserve.server.structured import ConstraintError, checked_constraint, constraint_of, front_end_grammars
 from specserve.server.protocol import PromptTokensDetails
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage, error_body,
                                        new_id, now)
@@ -91,6 +92,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     longest = _longest_token(engine.tokenizer)
     strings = TokenStrings(engine.tokenizer)
+    grammars = front_end_grammars(engine.tokenizer, vocab_size or len(engine.tokenizer))
 
     async def tokenize(fn, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
@@ -100,6 +102,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
         _check_model(body.model, model_name)
         _check_request(body, vocab_size)
         _check_choices(body, limit)
+        await tokenize(_check_constraint, body, grammars)
         prompt_ids = await tokenize(_completion_prompt, engine.tokenizer, body.prompt, engine.context_length, longest)
         echo = _echo_text(engine.tokenizer, body.prompt, prompt_ids) if body.echo else ""
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=False, model_name=model_name,
@@ -110,6 +113,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
         _check_model(body.model, model_name)
         _check_request(body, vocab_size)
         _check_choices(body, limit)
+        await tokenize(_check_constraint, body, grammars)
         prompt_ids = await tokenize(_chat_prompt, engine.tokenizer, body, engine.context_length, longest)
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name,
                             simulated=simulated, strings=strings)
@@ -199,6 +203,15 @@ def _check_request(body, vocab_size: int | None) -> None:
     _check_logprobs(body)
 
 
+def _check_constraint(body, grammars) -> None:
+    """Compiles the request's output constraint (on the tokenizing thread: a large schema takes a while), so an
+    invalid one is a 400 that names what is wrong, before any compute."""
+    try:
+        checked_constraint(body, grammars)
+    except ConstraintError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
 def _check_logit_bias(bias: dict | None, vocab_size: int | None) -> None:
     """OpenAI's form: {"token id": bias in [-100, 100]}."""
     for key, value in (bias or {}).items():
@@ -252,9 +265,8 @@ def _unsupported(body) -> list[tuple[str, object, object]]:
 
     if isinstance(body, CompletionRequest):
         return [("suffix", body.suffix or "", "")]
-    # Structured output (response_format) and tool calling wait for their own items.
-    return [("response_format", no_op(body.response_format, {"type": "text"}), {"type": "text"}),
-            ("tools", no_op(body.tools, []), []), ("tool_choice", no_op(body.tool_choice, "none"), "none"),
+    # Tool calling waits for its own item.
+    return [("tools", no_op(body.tools, []), []), ("tool_choice", no_op(body.tool_choice, "none"), "none"),
             ("functions", no_op(body.functions, []), []),
             ("function_call", no_op(body.function_call, "none"), "none")]
 
@@ -282,7 +294,7 @@ def _sampling_params(body, prompt_len: int, context: int) -> SamplingParams:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias={int(token): float(bias) for token, bias in (body.logit_bias or {}).items()},
-            logprobs=_logprobs_asked(body),
+            logprobs=_logprobs_asked(body), constraint=constraint_of(body),
         )
     except ValueError as exc:
         param = next((name for name in _SAMPLING_FIELDS if str(exc).startswith(name)), None)

@@ -31,6 +31,11 @@ class _Request(BaseModel):
     repetition_penalty: float = 1.0
     # {"token id": bias}; its keys, values and ids are checked in server/api.py, so errors name `logit_bias`.
     logit_bias: dict | None = None
+    # Structured output (server/structured.py): OpenAI's response_format, or one of SGLang's fields.
+    response_format: dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None  # the schema's JSON text
 
     @model_validator(mode="before")
     @classmethod
@@ -56,7 +61,6 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     # Accepted so that they can be refused by name (server/api.py) until implemented; defaults are no-ops.
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None  # the deprecated form of tools

@@ -186,7 +186,6 @@ def test_openapi_documents_400_not_422(base):
 # are implemented now: penalties, logit_bias, logprobs, n, best_of, echo) --------------------------------------
 CHAT_REFUSED = [
     ("n", dict(n=0)), ("top_logprobs", dict(top_logprobs=2)),
-    ("response_format", dict(response_format={"type": "json_object"})),
     ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
     ("tool_choice", dict(tool_choice="required")),
     ("functions", dict(extra_body={"functions": [{"name": "f", "parameters": {}}]})),
