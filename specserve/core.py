@@ -129,6 +129,12 @@ def _as_tuple(stop: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]
 
 
 
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's draw of output token `index`: each draw gets its own, so a seeded request
+    repeats exactly whatever else shares its batches, and with or without speculation."""
+    return (seed * 1_000_003 + index * 7919 + 1) % (2**63 - 1)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The target's log-probability of one emitted token, and its top alternatives, best first."""
@@ -233,6 +239,9 @@ class ScheduledSeq:
     # sampled row sees history[:start_pos + len(token_ids)]. The request's own list, read during the step only.
     history: list[int] | None = None
     num_prompt_tokens: int = 0
+    # The output index of the token this step samples first: a seeded request draws output i with
+    # draw_seed(seed, i), and a speculative step one such draw per position it verifies.
+    output_index: int = 0
     # The request's grammar state (Request.grammar) where it samples under a constraint: masks for this step's
     # rows are read from it, and it is not advanced during the step.
     grammar: object | None = None

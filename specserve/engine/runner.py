@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from specserve.core import StepBatch, TokenLogprob
+from specserve.core import StepBatch, TokenLogprob, draw_seed
 from specserve.engine.futures import FutureTokens, has_placeholder
 from specserve.engine.phases import NoTimer
 from specserve.layers.attention import AttentionMetadata
@@ -18,7 +18,7 @@ from specserve.sampling.sampler import sample
 from specserve.speculative.base import Speculator
 from specserve.speculative.programs.base import unpack
 from specserve.speculative.simulate import simulated_verdict
-from specserve.speculative.verify import Verdict, verify
+from specserve.speculative.verify import Verdict, verify, verify_seeded
 from specserve.transfer import tensor_on, to_device
 
 
@@ -262,8 +262,10 @@ class ModelRunner:
         if self.simulate_accept_len is not None:
             return simulated_verdict(logits, tree, seq.params, self.simulate_accept_len, self.simulation_rng,
                                      seq.sample_seed)
-        generator = None if seq.sample_seed is None else torch.Generator(self.device).manual_seed(seq.sample_seed)
-        return verify(logits, tree, seq.params, generator)
+        if seq.params.seed is not None and not seq.params.greedy:
+            seeds = [draw_seed(seq.params.seed, seq.output_index + d) for d in range(max(tree.depths()) + 1)]
+            return verify_seeded(logits, tree, seq.params, seeds)
+        return verify(logits, tree, seq.params)
 
     def _compact_kv(self, seq, accepted_nodes: list[int], page_size: int) -> None:
         """Moves the KV of accepted tree nodes to the positions they now hold (node n was written at

@@ -18,7 +18,7 @@ from collections import deque
 from typing import Callable
 
 from specserve.config import SchedulerConfig
-from specserve.core import FinishReason, Request, ScheduledSeq, Status, StepBatch
+from specserve.core import FinishReason, Request, ScheduledSeq, Status, StepBatch, draw_seed
 from specserve.kv.pages import PageAllocator
 from specserve.kv.prefix import ROOT, PrefixCache
 
@@ -374,7 +374,8 @@ class Scheduler:
             page_ids=list(request.page_ids),
             params=request.params,
             sample=sample,
-            sample_seed=None if seed is None else _mix_seed(seed, request.num_output_tokens),
+            sample_seed=None if seed is None else draw_seed(seed, request.num_output_tokens),
+            output_index=request.num_output_tokens,
             num_draft_tokens=drafts,
             draft_start_pos=request.num_draft_computed_tokens,
             draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:catch_up_end],
@@ -382,8 +383,3 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             grammar=request.grammar if sample else None,
         )
-
-
-def _mix_seed(seed: int, index: int) -> int:
-    # Each draw gets its own seed, so a seeded request repeats exactly whatever else shares its batches.
-    return (seed * 1_000_003 + index * 7919 + 1) % (2**63 - 1)

@@ -14,6 +14,12 @@ prod(1 - p(earlier children)) * p(x) / (1 - p(earlier)) = p(x), or as the bonus,
 (1 - p(all children)) * p(x) / (1 - p(all children)) = p(x) for x outside the children. So each emitted
 token is distributed exactly as the target's p given what came before, which is sampling the target alone.
 For greedy requests this reduces to "follow the child equal to the argmax, then emit the argmax".
+
+Seeded requests walk another way (`verify_seeded`), so that their output is the same with or without
+speculation and whatever shares their batches: at each node the target's own seeded draw for that output
+position is made, exactly the draw plain decoding makes there, and the walk follows the child holding it, else
+emits it. Each emitted token is the target's draw, so this is lossless too; for drafts chosen deterministically
+a child is followed with probability p(child), as under the rule above.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sampling.sampler import filtered_probs
+from specserve.sampling.sampler import filtered_probs, sample
 from specserve.core import SamplingParams
 from specserve.speculative.tree import DraftTree
 
@@ -46,6 +52,22 @@ def verify(
         return _verify_greedy(target_logits, tree)
     probs = filtered_probs(target_logits.float(), [params] * target_logits.shape[0])
     return _verify_sampled(probs, tree, generator)
+
+
+def verify_seeded(target_logits: torch.Tensor, tree: DraftTree, params: SamplingParams, seeds: list[int]
+                  ) -> Verdict:
+    """`seeds[d]`: the seed of the draw at depth d (the output position root + d + 1); one per tree level and
+    one more."""
+    node, path, tokens = 0, [], []
+    for seed in seeds:
+        token = sample(target_logits[node:node + 1], [params], [seed]).item()
+        tokens.append(token)
+        follow = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+        if follow is None:
+            break
+        path.append(follow)
+        node = follow
+    return Verdict(path, tokens)
 
 
 def _verify_greedy(logits: torch.Tensor, tree: DraftTree) -> Verdict:
