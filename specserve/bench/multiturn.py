@@ -4,8 +4,9 @@ Each conversation is replayed turn by turn, as a chat client does: turn t's prom
 earlier question and the model's own answer) plus the next question, so with caching on it finds all but its
 newest part in the cache. Conversations run `--concurrency` at a time; greedy, so both settings must produce the
 same text (compared by a digest of every answer's token ids). TTFT is from a request's submission to the step
-that returns its first token; tok/s is a turn's output tokens over its wall time. The same engine settings
-run twice, caching on and then off, each after an untimed warm-up conversation.
+that returns its first token; tok/s is a turn's output tokens over its wall time. Two engines, caching on and
+off, are built side by side and take turns, group by group of conversations, so that both see the same load on
+a shared machine; each first replays an untimed warm-up conversation.
 """
 from __future__ import annotations
 
@@ -72,17 +73,7 @@ def _replay(llm, group: list[list[str]], params: SamplingParams, turns: dict) ->
     return answers
 
 
-def _run_setting(config: EngineConfig, convs: list[list[str]], args: argparse.Namespace) -> dict:
-    from specserve.llm import LLM
-
-    llm = LLM(config=config)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    _replay(llm, [["Say hello."]], SamplingParams(max_tokens=8, temperature=0.0), {})  # warm-up, untimed
-    turns: dict[int, dict] = {}
-    digest = hashlib.sha256()
-    for first in range(0, len(convs), args.concurrency):
-        for answers in _replay(llm, convs[first:first + args.concurrency], params, turns):
-            digest.update(str(answers).encode())
+def _summary(llm, turns: dict[int, dict], digest) -> dict:
     rows = []
     for turn, f in sorted(turns.items()):
         rows.append({"turn": turn, "requests": len(f["ttft_s"]), "mean_ttft_s": statistics.fmean(f["ttft_s"]),
@@ -94,17 +85,29 @@ def _run_setting(config: EngineConfig, convs: list[list[str]], args: argparse.Na
                      if f["spec_steps"] else None})
         print(f"  turn {turn}: {rows[-1]}", flush=True)
     cache = llm.engine.scheduler.prefix_cache
-    return {"prefix_caching": config.cache.enable_prefix_caching, "turns": rows,
+    return {"prefix_caching": cache is not None, "turns": rows,
             "engine_hit_rate": cache.hit_rate if cache else 0.0, "answers_sha256": digest.hexdigest()[:16]}
 
 
 def run_multi_turn_bench(config: EngineConfig, args: argparse.Namespace) -> dict:
+    from specserve.llm import LLM
+
     convs = conversations(args.data, args.num_conversations)
+    engines = [LLM(config=replace(config, cache=replace(config.cache, enable_prefix_caching=caching)))
+               for caching in (True, False)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    turns: list[dict[int, dict]] = [{}, {}]
+    digests = [hashlib.sha256(), hashlib.sha256()]
+    for llm in engines:
+        _replay(llm, [["Say hello."]], SamplingParams(max_tokens=8, temperature=0.0), {})  # warm-up, untimed
+    for first in range(0, len(convs), args.concurrency):
+        for llm, figures, digest in zip(engines, turns, digests):
+            for answers in _replay(llm, convs[first:first + args.concurrency], params, figures):
+                digest.update(str(answers).encode())
     settings = []
-    for caching in (True, False):
-        print(f"prefix caching {'on' if caching else 'off'}:", flush=True)
-        settings.append(_run_setting(replace(config, cache=replace(config.cache, enable_prefix_caching=caching)),
-                                     convs, args))
+    for caching, llm, figures, digest in zip(("on", "off"), engines, turns, digests):
+        print(f"prefix caching {caching}:", flush=True)
+        settings.append(_summary(llm, figures, digest))
     on, off = settings
     report = {
         "command": "specserve bench multi-turn", "date": dt.date.today().isoformat(), "hardware": hardware_info(),
