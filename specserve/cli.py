@@ -270,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=2)
     spec.add_argument("--out", default=None, help="write results JSON here")
+    structured = bench_sub.add_parser("structured", help="JSON-schema outputs: tok/s and acceptance, constrained "
+                                                        "vs free, speculation off, chain and tree")
+    add_engine_args(structured)
+    structured.add_argument("--head", default=None, help="EAGLE-3 head for the chain and tree rows (default: "
+                                                         "the bundled SmolLM2 head for the bundled model; none: "
+                                                         "no speculation rows)")
+    structured.add_argument("--tree", type=int, nargs=3, default=[2, 3, 6], metavar=("TOPK", "STEPS", "TOKENS"))
+    structured.add_argument("--max-tokens", type=int, default=160)
+    structured.add_argument("--out", default=None, help="write results JSON here")
     turns = bench_sub.add_parser("multi-turn", help="conversations replayed turn by turn, prefix caching on and off")
     add_engine_args(turns)
     turns.add_argument("--data", default="mt-bench", help="mt-bench (two turns) | sharegpt | a JSONL with \"turns\"")
@@ -301,6 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.bench.multiturn import run_multi_turn_bench
 
         run_multi_turn_bench(engine_config(args), args)
+    elif args.command == "bench" and args.bench == "structured":
+        from specserve.bench.structured import run_structured_bench
+
+        config = engine_config(args)
+        if args.head is None and config.model_path is None:
+            from specserve import draft_heads
+
+            args.head = str(draft_heads.SMOLLM2_HEAD)
+        run_structured_bench(config, args)
     elif args.command == "bench" and args.bench == "spec":
         from specserve.bench.spec import run_spec_bench
 
