@@ -24,14 +24,15 @@ MAX_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 100.0
 
 
-CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
 class Constraint:
     """Structured output: the grammar a request's output must match (structured/grammar.py compiles it).
     kind: "json_object" (any JSON object; no text), "json_schema" (text: the schema as JSON), "regex", or
-    "ebnf" (xgrammar's EBNF, rule `root` first)."""
+    "ebnf" (xgrammar's EBNF, rule `root` first), or "structural_tag" (xgrammar's structural tag as JSON: tool
+    calls, server/tools.py)."""
 
     kind: str
     text: str = ""

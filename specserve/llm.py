@@ -22,7 +22,7 @@ def load_tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, **template_args) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template, ready for the answer.
 
     Only the template's own text makes control tokens. The messages' contents are tokenized with special-token
@@ -32,13 +32,15 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     contents. Where the template trims a content, the trimmed one is used, as the first rendering shows; where it
     changes a content otherwise, the content goes in as sent.
     """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # OpenAI's tools, for templates that render them; template_args: the template's own (enable_thinking).
+    extra = {**({"tools": tools} if tools else {}), **template_args}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     marks = {i: f"\ue000{uuid.uuid4().hex}\ue001" for i, m in enumerate(messages)
              if isinstance(m.get("content"), str) and m["content"]}
     if not marks:
         return _encode(tokenizer, text, split_special=False)
     placeheld = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
-    skeleton = tokenizer.apply_chat_template(placeheld, add_generation_prompt=True, tokenize=False)
+    skeleton = tokenizer.apply_chat_template(placeheld, add_generation_prompt=True, tokenize=False, **extra)
     content_of = {mark: messages[i]["content"] for i, mark in marks.items()}
     pieces = re.split("(" + "|".join(map(re.escape, content_of)) + ")", skeleton)  # text, mark, text, ..., text
     for form in (lambda c: c, str.strip):

@@ -26,6 +26,7 @@ from specserve.server.limits import BodyLimit
 from specserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs, total_logprob
 from specserve.server.metrics import Metrics
 from specserve.server.structured import ConstraintError, checked_constraint, constraint_of, front_end_grammars
+from specserve.server import tools as tool_calls
 from specserve.server.protocol import PromptTokensDetails
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage, error_body,
                                        new_id, now)
@@ -93,6 +94,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
     longest = _longest_token(engine.tokenizer)
     strings = TokenStrings(engine.tokenizer)
     grammars = front_end_grammars(engine.tokenizer, vocab_size or len(engine.tokenizer))
+    tool_format = tool_calls.tool_format(engine.tokenizer)
 
     async def tokenize(fn, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
@@ -114,9 +116,10 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
         _check_request(body, vocab_size)
         _check_choices(body, limit)
         await tokenize(_check_constraint, body, grammars)
-        prompt_ids = await tokenize(_chat_prompt, engine.tokenizer, body, engine.context_length, longest)
+        tools = await tokenize(_check_tools, body, tool_format, grammars)
+        prompt_ids = await tokenize(_chat_prompt, engine.tokenizer, body, engine.context_length, longest, tools)
         return await _serve(raw, engine, metrics, limit, body, prompt_ids, chat=True, model_name=model_name,
-                            simulated=simulated, strings=strings)
+                            simulated=simulated, strings=strings, tools=tools)
 
     return app
 
@@ -157,20 +160,69 @@ def _completion_prompt(tokenizer, prompt, context: int, longest: int) -> list[in
     return list(prompt)
 
 
-def _chat_prompt(tokenizer, body: ChatCompletionRequest, context: int, longest: int) -> list[int]:
+def _chat_prompt(tokenizer, body: ChatCompletionRequest, context: int, longest: int,
+                 tools: _Tools | None = None) -> list[int]:
     if tokenizer is None or tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template", param="messages")
-    messages = [{"role": _ROLES[m.role], "content": _text_of(m.content)} for m in body.messages]
+    messages = [{"role": _ROLES[m.role], "content": _text_of(m.content),
+                 **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in body.messages]
     _check_chars(sum(len(m["content"]) for m in messages), context, longest, "messages")
+    template_tools, template_args = None, {}
+    if tools is not None:
+        try:
+            messages = tool_calls.template_messages(messages, tools.format)
+        except tool_calls.ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if tools.tools and tools.format.native:
+            template_tools = tools.tools
+            if tools.format.thinks and tools.parses:  # the grammar has no thinking block (Qwen3): nor the prompt
+                template_args = {"enable_thinking": False}
+        elif tools.tools:
+            messages = tool_calls.with_tool_system_prompt(messages, tools.tools)
     try:
-        return chat_prompt_ids(tokenizer, messages)
+        return chat_prompt_ids(tokenizer, messages, tools=template_tools, **template_args)
     except Exception as exc:  # jinja raises for conversations the template refuses
         raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc
 
 
 # The roles a chat template is given. OpenAI's `developer` messages take the place of system messages; `tool`
-# messages wait for tool calling.
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# messages are rewritten for templates that know no such role (server/tools.py).
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tools:
+    """A chat request's tools: what the prompt shows, the grammar of the reply, and how to read calls back."""
+    tools: list
+    choice: object  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    format: tool_calls.ToolFormat
+    constraint: object  # core.Constraint, or None for "none"
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"
+
+
+def _check_tools(body, fmt, grammars) -> _Tools | None:
+    """The request's tools, checked and their grammar compiled (on the tokenizing thread), or None when it
+    has neither tools nor messages about tool calls."""
+    has_history = any(m.role == "tool" or m.tool_calls for m in body.messages)
+    if not body.tools and body.tool_choice in (None, "none") and not has_history:
+        return None
+    try:
+        tools, choice = tool_calls.checked_tools(body.tools, body.tool_choice)
+        constraint = tool_calls.tool_constraint(tools, choice, fmt, body.parallel_tool_calls)
+        if constraint is not None and constraint_of(body) is not None:
+            raise tool_calls.ToolError("a request takes one output constraint: tool calls or response_format "
+                                       "(regex, ebnf, json_schema), not both", param="tool_choice")
+        if constraint is not None:
+            grammars.compile(constraint)
+    except tool_calls.ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except ValueError as e:  # the grammar did not compile: a schema xgrammar cannot read
+        raise APIError(400, f"tools: {e}", param="tools") from None
+    return _Tools(tools, choice, fmt, constraint)
 
 
 def _text_of(content) -> str:
@@ -265,9 +317,8 @@ def _unsupported(body) -> list[tuple[str, object, object]]:
 
     if isinstance(body, CompletionRequest):
         return [("suffix", body.suffix or "", "")]
-    # Tool calling waits for its own item.
-    return [("tools", no_op(body.tools, []), []), ("tool_choice", no_op(body.tool_choice, "none"), "none"),
-            ("functions", no_op(body.functions, []), []),
+    # The deprecated forms of tools and tool_choice.
+    return [("functions", no_op(body.functions, []), []),
             ("function_call", no_op(body.function_call, "none"), "none")]
 
 
@@ -322,10 +373,13 @@ def _echo_text(tokenizer, prompt, prompt_ids: list[int]) -> str:
 
 # -- serving ------------------------------------------------------------------
 async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int, body, prompt_ids, *, chat: bool,
-                 model_name: str, simulated: bool, strings: TokenStrings, echo: str = "") -> Response:
+                 model_name: str, simulated: bool, strings: TokenStrings, echo: str = "",
+                 tools: _Tools | None = None) -> Response:
     if not engine.is_healthy():
         raise APIError(503, "the model is still loading or the engine is down", "ServiceUnavailableError")
     params = _sampling_params(body, len(prompt_ids), engine.context_length)
+    if tools is not None and tools.constraint is not None:
+        params = dataclasses.replace(params, constraint=tools.constraint)
     _check_fits_in_pool(engine, len(prompt_ids), params)
     n = body.n
     runs = getattr(body, "best_of", None) or n
@@ -351,7 +405,8 @@ async def _serve(raw: Request, engine: AsyncEngine, metrics: Metrics, limit: int
         raise APIError(503, str(exc), "ServiceUnavailableError") from exc
     metrics.prompt_tokens.inc(len(prompt_ids) * runs)
     shape = _ChunkShape(request_id, model_name, chat, simulated, strings,
-                        logprobs=params.logprobs is not None, echo=echo)
+                        logprobs=params.logprobs is not None, echo=echo,
+                        tool_format=tools.format if tools is not None and tools.parses else None)
     if body.stream:
         return StreamingResponse(_sse(generations, shape, body.include_usage), media_type="text/event-stream")
     return await _until_done_or_disconnect(raw, _collect(generations, shape, n))
@@ -401,12 +456,13 @@ class _ChunkShape:
     """Builds the response bodies and stream chunks of one request, whatever its number of choices."""
 
     def __init__(self, request_id: str, model: str, chat: bool, simulated: bool, strings: TokenStrings,
-                 logprobs: bool = False, echo: str = "") -> None:
+                 logprobs: bool = False, echo: str = "", tool_format=None) -> None:
         self.id, self.model, self.chat, self.created = request_id, model, chat, now()
         self.simulated = simulated  # acceptance is simulated: say so in every usage block
         self.strings = strings
         self.logprobs = logprobs  # the client asked for them (best_of may compute them for itself only)
         self.echo = echo  # completions' echo: the prompt's text, put before each choice's
+        self.tool_format = tool_format  # chat with tools: replies are read for calls (server/tools.py)
 
     def _logprobs(self, rows, text_offset: int = 0) -> dict | None:
         if not self.logprobs:
@@ -416,10 +472,12 @@ class _ChunkShape:
         return completion_logprobs(rows, self.strings, text_offset)
 
     def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False, rows=None,
-              text_offset: int = 0) -> dict:
+              text_offset: int = 0, tool_calls: list | None = None) -> dict:
         logprobs = self._logprobs(rows, text_offset) if rows is not None else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                     "choices": [choice]}
@@ -433,8 +491,10 @@ class _ChunkShape:
         for index, out in enumerate(chosen):
             logprobs = self._logprobs(out.logprobs or [])
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
-                                "finish_reason": out.finish_reason, "logprobs": logprobs})
+                message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+                if self.tool_format is not None:
+                    message, finish = tool_calls.message_of(out.text, self.tool_format, finish)
+                choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs})
             else:
                 choices.append({"index": index, "text": self.echo + out.text, "finish_reason": out.finish_reason,
                                 "logprobs": logprobs})
@@ -518,6 +578,7 @@ async def _sse(generations: list[Generation], shape: _ChunkShape, include_usage:
     outputs: list[RequestOutput | None] = [None] * len(generations)
     sent_rows = [0] * len(generations)  # logprob rows already sent, per choice
     offsets = [len(shape.echo)] * len(generations)  # characters of text already sent, per choice
+    readers = [tool_calls.ToolStream(shape.tool_format) if shape.tool_format else None for _ in generations]
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
     try:
         for index in range(len(generations)):
@@ -540,8 +601,15 @@ async def _sse(generations: list[Generation], shape: _ChunkShape, include_usage:
                 if num_rows is not None:
                     rows = outputs[index].logprobs[sent_rows[index]:num_rows]
                     sent_rows[index] = max(sent_rows[index], num_rows)
-                yield _event(shape.chunk(index, text, finish, rows=rows, text_offset=offsets[index]))
                 offsets[index] += len(text)
+                if readers[index] is not None:  # tools: the text becomes content and tool_calls deltas
+                    content, calls = readers[index].feed(text, finish is not None)
+                    if finish == "stop" and readers[index].called:
+                        finish = "tool_calls"
+                    if content or calls or finish or rows:
+                        yield _event(shape.chunk(index, content, finish, rows=rows, tool_calls=calls))
+                    continue
+                yield _event(shape.chunk(index, text, finish, rows=rows, text_offset=offsets[index] - len(text)))
     finally:  # a client that hangs up lands here: abort every run and free its pages
         for task in tasks:
             task.cancel()

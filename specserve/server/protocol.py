@@ -49,10 +49,12 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # Any other role would go into the template verbatim, "system<|im_end|>..." included; `tool` waits for tool
-    # calling, and `developer` is read as `system` (server/api.py).
-    role: Literal["system", "developer", "user", "assistant"]
+    # Any other role would go into the template verbatim, "system<|im_end|>..." included; `developer` is read as
+    # `system` (server/api.py). `tool` messages and assistant `tool_calls` are read by server/tools.py.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -60,9 +62,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    # Accepted so that they can be refused by name (server/api.py) until implemented; defaults are no-ops.
+    # Tool calling (server/tools.py).
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    # Accepted so that they can be refused by name (server/api.py); defaults are no-ops.
     functions: list | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
 

@@ -58,6 +58,8 @@ class Grammars:
                 return compiler.compile_grammar(_json_grammar(constraint.text))
             if constraint.kind == "regex":
                 return compiler.compile_regex(constraint.text)
+            if constraint.kind == "structural_tag":
+                return compiler.compile_grammar(_structural_tag_grammar(constraint.text))
             return compiler.compile_grammar(constraint.text)
         except Exception as e:  # xgrammar raises RuntimeError, InvalidJSONError, ...: all mean "bad text"
             raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {_first_line(e)}") from None
@@ -90,6 +92,17 @@ def _json_grammar(schema: str):
     if _LOOSE_STRING_CHAR not in text:
         return grammar
     return xgrammar.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _structural_tag_grammar(text: str):
+    """The grammar of an xgrammar structural tag (its JSON text), with JSON strings narrowed as above."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_structural_tag(text)
+    ebnf = str(grammar)
+    if _LOOSE_STRING_CHAR not in ebnf:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _first_line(error: Exception) -> str:

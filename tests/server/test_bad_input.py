@@ -183,11 +183,10 @@ def test_openapi_documents_400_not_422(base):
 
 
 # -- 13: parameters we do not implement are refused, not ignored (tests/server/test_sampling_api.py has those that
-# are implemented now: penalties, logit_bias, logprobs, n, best_of, echo) --------------------------------------
+# are implemented now: penalties, logit_bias, logprobs, n, best_of, echo; test_tools_api.py, tools) ------------
 CHAT_REFUSED = [
     ("n", dict(n=0)), ("top_logprobs", dict(top_logprobs=2)),
-    ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
-    ("tool_choice", dict(tool_choice="required")),
+    ("tool_choice", dict(tool_choice="required")),  # without tools (tests/server/test_tools_api.py has the rest)
     ("functions", dict(extra_body={"functions": [{"name": "f", "parameters": {}}]})),
 ]
 COMPLETION_REFUSED = [
