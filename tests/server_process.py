@@ -39,3 +39,15 @@ def live_server(*serve_args: str):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+@contextmanager
+def self_drafting_client(model_dir, served_name: str):
+    """An `openai` client of a live server whose model drafts for itself on every step (three drafts, the
+    adaptive plan off), so each request exercises speculation."""
+    import openai
+
+    with live_server("--model", str(model_dir), "--served-model-name", served_name, "--max-total-tokens", "4096",
+                     "--speculative-algorithm", "DRAFT_MODEL", "--speculative-draft-model-path", str(model_dir),
+                     "--speculative-num-steps", "3", "--disable-speculative-adaptive") as base:
+        yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.bench.report import write_report
 from specserve.config import EngineConfig
 from specserve.core import SamplingParams
 
@@ -283,8 +284,7 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
     }
     report["hardware"]["loadavg_at_end"] = os.getloadavg()
     _print_table(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, out)
     png = out.with_suffix(".png")
     _plot(report, png)
     print(f"wrote {out} and {png}")

@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specserve.bench.report import write_report
 from specserve.bench.datasets import mt_bench_questions, read_jsonl_conversations, sharegpt_conversations
 from specserve.bench.decode import hardware_info
 from specserve.config import EngineConfig
@@ -118,7 +119,5 @@ def run_multi_turn_bench(config: EngineConfig, args: argparse.Namespace) -> dict
         "ttft_ratio_on_over_off": [a["mean_ttft_s"] / b["mean_ttft_s"] for a, b in zip(on["turns"], off["turns"])],
     }
     print(json.dumps({k: report[k] for k in ("identical_text", "ttft_ratio_on_over_off")}), flush=True)
-    out = Path(args.out) if args.out else DEFAULT_OUT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.out or DEFAULT_OUT)
     return report

@@ -188,3 +188,11 @@ def compare_table(runs: list[tuple[str, list[dict]]]) -> str:
 
 def dumps(record: dict) -> str:
     return json.dumps(record, default=str)
+
+
+def write_report(report: dict, out: str | Path) -> Path:
+    """Writes a benchmark's report as indented JSON, making its folder first."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out

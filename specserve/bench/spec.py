@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from specserve.bench.report import write_report
 from specserve.bench.decode import hardware_info, make_prompts
 from specserve.config import EngineConfig, SpecConfig
 from specserve.engine.factory import resolve_model
@@ -99,8 +99,5 @@ def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dic
                      "method": "decode tok/s = (output_len - 1) / (last token time - first token time), median"},
         "results": rows,
     }
-    out = Path(args.out) if args.out else DEFAULT_OUT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_report(report, args.out or DEFAULT_OUT)}")
     return report

@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specserve.bench.report import write_report
 from specserve.bench.decode import hardware_info
 from specserve.bench.schemas import SCHEMAS
 from specserve.config import EngineConfig, SpecConfig
@@ -110,8 +111,5 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
                      "mask_overlap": "not measured: masks are built on the host between steps"},
         "results": rows,
     }
-    out = Path(args.out) if args.out else DEFAULT_OUT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_report(report, args.out or DEFAULT_OUT)}")
     return report

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_process import live_server
+from server_process import self_drafting_client
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -27,10 +27,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(tiny_chat_model):
-    with live_server("--model", str(tiny_chat_model), "--served-model-name", MODEL, "--max-total-tokens", "4096",
-                     "--speculative-algorithm", "DRAFT_MODEL", "--speculative-draft-model-path",
-                     str(tiny_chat_model), "--speculative-num-steps", "3", "--disable-speculative-adaptive") as base:
-        yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    with self_drafting_client(tiny_chat_model, MODEL) as client:
+        yield client
 
 
 def _ask(client, **kwargs):
