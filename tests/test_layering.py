@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / ROOT
 # Lowest first. A package may import its own layer and those below it; the bottom holds what everything
 # shares (step types, frozen config, switches, shipped configs and heads).
 LAYERS = (
-    ("core", "config", "envs", "transfer", "graph_shapes", "model_configs", "draft_heads"),
+    ("core", "config", "envs", "transfer", "graph_shapes", "model_configs", "draft_heads", "distributed"),
     ("kernels",),
     ("layers",),
     ("sampling", "structured"),
