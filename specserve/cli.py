@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from specserve.speculative import registry as speculative_registry
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig, SpecConfig
+from specserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig, SpecConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured in a graph")
     g.add_argument("--disable-overlap", "--disable-overlap-schedule", dest="disable_overlap", action="store_true",
                    help="read each GPU step back before preparing the next")
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                   help="tensor parallelism: shard the model over this many GPUs, one process each (gloo ranks "
+                        "on a CPU)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default=None, choices=[*speculative_registry.ALGORITHMS, "NONE"],
                    help="default: EAGLE3 with the bundled head for the embedded default model, else none")
@@ -75,6 +78,7 @@ def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> Engin
         cache=CacheConfig(args.page_size, args.mem_fraction_static, args.max_total_tokens, args.prefix_caching),
         scheduler=SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_queued_requests),
         spec=spec_config(args, bundled_head),
+        parallel=ParallelConfig(args.tp_size),
     )
 
 

@@ -266,6 +266,18 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (docs/parallel.md): the target (and the EAGLE-3 head, replicated) on `tp_size` ranks,
+    one process and one device each; the engine process is rank 0."""
+
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
@@ -282,6 +294,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)

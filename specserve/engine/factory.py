@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 from specserve.config import EngineConfig, ModelConfig
+from specserve.distributed.ranks import RankGroup, agree_min, start_ranks
 from specserve.engine.engine import EngineCore
 from specserve.engine.futures import FutureTokens
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.tp_worker import StepSender
 from specserve.kv.pages import PageAllocator
 from specserve.kv.prefix import PrefixCache
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
@@ -111,11 +113,17 @@ def context_length(config: EngineConfig, model_cfg: ModelConfig) -> int:
     return min(config.context_length or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
 
 
-def build_engine_core(config: EngineConfig, progress: bool = True,
-                      record_layers: tuple[int, ...] = ()) -> tuple[EngineCore, ResolvedModel]:
+def build_engine_core(config: EngineConfig, progress: bool = True, record_layers: tuple[int, ...] = (),
+                      ranks: RankGroup | None = None) -> tuple[EngineCore, ResolvedModel]:
+    """`ranks`: this process's place in a tensor-parallel group, for ranks past 0 (engine/tp_worker.py); rank 0
+    starts the group here when --tp-size asks for one."""
     resolved = resolve_model(config)
     model_cfg = resolved.model_cfg
     device = pick_device(config)
+    if ranks is None and config.parallel.tp_size > 1:
+        ranks = start_ranks(config.parallel.tp_size, device, config)
+    if ranks is not None:
+        device = ranks.device
     dtype = pick_dtype(config, model_cfg, device)
     max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)
@@ -128,6 +136,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
     scratch = algorithm.target_scratch_slots(config, device, max_bs) if algorithm else 0
     num_pages = plan_num_pages(per_token, config.cache, free_memory_bytes(device) - scratch * per_token)
+    if ranks is not None:
+        num_pages = agree_min(ranks, num_pages)
     use_graphs = device.type == "cuda" and not config.disable_cuda_graph
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
     pad_page = use_graphs or (algorithm is not None and algorithm.needs_pad_page(config, device))
@@ -159,6 +169,11 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
                               record_layers, futures)
     runner = ModelRunner(model, kv_cache, device, futures, speculator, graphs, config.spec.simulate_accept_len,
                          rng, untimed_gemv)
+    if ranks is not None:
+        # Every rank samples and accepts the same tokens from the same logits only if their draws start alike.
+        torch.manual_seed(config.random_seed)
+        if ranks.rank == 0:
+            runner.step_sender = StepSender(ranks)
     if device.type == "cuda":
         _warm_up_decode_kernel(model_cfg, kv_cache, page_size)
         if proposer is not None:
@@ -168,8 +183,17 @@ def build_engine_core(config: EngineConfig, progress: bool = True,
     freeze_startup_objects()
     eos = tuple(dict.fromkeys(eos))
     engine = EngineCore(scheduler, runner, eos, overlap, adaptive, model_cfg.vocab_size,
-                        _grammars(resolved.tokenizer_dir, model_cfg.vocab_size, eos))
+                        _grammars(resolved.tokenizer_dir, model_cfg.vocab_size, eos) if ranks is None else
+                        NoGrammarsUnderTP())
     return engine, resolved
+
+
+class NoGrammarsUnderTP:
+    """Structured output is refused at admission under tensor parallelism: the other ranks hold no grammar state,
+    so their masks (drafts and verification alike) would not be rank 0's."""
+
+    def state(self, constraint):
+        raise ValueError("structured output is not served with --tp-size above 1")
 
 
 def _grammars(tokenizer_dir, vocab_size: int, eos: tuple[int, ...]) -> Grammars | None:

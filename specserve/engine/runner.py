@@ -105,11 +105,15 @@ class ModelRunner:
         # With CUDA graphs, the GEMV choices are made at startup; a step's eager calls take cuBLAS for shapes
         # still undecided rather than time them mid-step (kernels/tuning: `untimed`).
         self.untimed_gemv = untimed_gemv
+        # Tensor parallelism, rank 0: sends each step to the other ranks before running it (distributed/steps.py).
+        self.step_sender = None
 
     @contextlib.contextmanager
     def recording(self, recorder):
         """Training-data capture (specserve.train.datagen): while open, `recorder` sees every computed token's
         taps and hidden state, and steps take the general path."""
+        if self.step_sender is not None:  # the other ranks would not know to take it
+            raise ValueError("training-data capture runs with --tp-size 1")
         self.recorder = recorder
         try:
             yield recorder
@@ -124,6 +128,8 @@ class ModelRunner:
         """Queues the step on the device. A step without drafts, or a program's step, returns before its tokens
         are read back; with `publish`, a step without drafts also stores them as futures that the next step's
         inputs may name. A batch with `follow` takes the program (its inputs are on the device)."""
+        if self.step_sender is not None:
+            self.step_sender.send(batch, publish)
         with self.untimed_gemv():
             return self._launch(batch, publish)
 
