@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from specserve.core import SamplingParams, ScheduledSeq, StepBatch
 
-STEP, STOP = 1, 2
+# STEP: run the batch. STOP: leave. AUDIT: report a fingerprint of the state every rank holds whole.
+STEP, STOP, AUDIT = 1, 2, 3
 # Words broadcast every step; a longer description (a large prompt batch) sends the rest in a second broadcast.
 CAPACITY = 4096
 _HEADER = 6  # op, length, page size, publish, sequences, follow length (-1: none)

@@ -9,18 +9,21 @@ nothing sent back. Only rank 0 reads its results back to the host. A drafting st
 every rank, by the replicated head, with no collective of their own.
 
 Usage (started by rank 0, `distributed/ranks.py`): python -m specserve.engine.tp_worker RANK SIZE INIT PARENT_PID,
-with the EngineConfig pickled on stdin.
+with rank 0's EngineConfig and switches (envs.py) pickled on stdin.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import pickle
 import sys
 
 import torch
 
+from specserve import envs
 from specserve.distributed.ranks import RankGroup, exit_with_parent, join_ranks
-from specserve.distributed.steps import STOP, StepChannel, decode, encode
+from specserve.distributed.steps import AUDIT, STOP, StepChannel, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,13 @@ class StepSender:
     def send(self, batch, publish: bool) -> None:
         self.channel.send(encode(batch, publish))
 
+    def replicas_agree(self, runner) -> bool:
+        """Whether every rank holds the same replicated state as rank 0 (`fingerprint`): they accepted the same
+        tokens. For tests and debugging; it synchronises every device."""
+        self.channel.send(encode(None, op=AUDIT))
+        prints = gather_fingerprints(runner, self.group.steps, self.group.size)
+        return all(p == prints[0] for p in prints)
+
     def close(self) -> None:
         """Tells the other ranks to stop, waits for them and leaves the process group."""
         if self.group.closing:
@@ -44,6 +54,27 @@ class StepSender:
         self.group.close()
 
 
+def fingerprint(runner) -> list[int]:
+    """Hashes of what every rank holds whole: the drafter's KV and taps (the head is replicated), the future
+    tokens, and what the step program left for a following step. Equal on every rank that sampled and accepted
+    what rank 0 did."""
+    tensors = [runner.futures.values]
+    if runner.proposer is not None:
+        drafter = runner.proposer.drafter
+        tensors += [getattr(drafter, name) for name in ("kv_cache", "taps") if hasattr(drafter, name)]
+    if runner.program is not None:
+        tensors += [runner.program.last_packed, runner.program.last_root]
+    return [int.from_bytes(hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).digest()[:7], "little")
+            for t in tensors]
+
+
+def gather_fingerprints(runner, group, size: int) -> list[list[int]]:
+    mine = torch.tensor(fingerprint(runner), dtype=torch.long)
+    prints = [torch.empty_like(mine) for _ in range(size)]
+    torch.distributed.all_gather(prints, mine, group=group)
+    return [p.tolist() for p in prints]
+
+
 def serve_steps(runner, channel: StepChannel) -> None:
     """Runs each step rank 0 sends, until it says stop. A step that fails here failed on rank 0 as well (the
     same step on the same state), and rank 0 then sends what it does next (each request alone)."""
@@ -51,6 +82,9 @@ def serve_steps(runner, channel: StepChannel) -> None:
         message = decode(channel.receive())
         if message.op == STOP:
             return
+        if message.op == AUDIT:
+            gather_fingerprints(runner, channel.group, torch.distributed.get_world_size())
+            continue
         try:
             runner.launch(message.batch, message.publish)
         except Exception:
@@ -60,14 +94,15 @@ def serve_steps(runner, channel: StepChannel) -> None:
 def main(argv: list[str]) -> int:
     rank, size, init, parent = int(argv[0]), int(argv[1]), argv[2], int(argv[3])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
-    config = pickle.load(sys.stdin.buffer)
+    config, switches = pickle.load(sys.stdin.buffer)
     exit_with_parent(parent)
     from specserve.engine.factory import build_engine_core, pick_device
 
-    group = join_ranks(rank, size, init, pick_device(config))
-    core, _ = build_engine_core(config, progress=False, ranks=group)
-    with torch.inference_mode():
-        serve_steps(core.runner, StepChannel(group.steps))
+    with envs.override(**dataclasses.asdict(switches)):
+        group = join_ranks(rank, size, init, pick_device(config))
+        core, _ = build_engine_core(config, progress=False, ranks=group)
+        with torch.inference_mode():
+            serve_steps(core.runner, StepChannel(group.steps))
     torch.distributed.destroy_process_group()
     return 0
 

@@ -2,6 +2,7 @@
 equals HF's (which --tp-size 1 is held to in tests/models), and speculation stays lossless."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -10,8 +11,13 @@ from specserve.config import ParallelConfig, SpecConfig
 from specserve.distributed.ranks import NO_MULTICAST_ENV
 from specserve.engine.factory import build_engine_core
 
-from engine_runs import hf_greedy, make_prompts, run_staggered, tight_config
+from engine_runs import hf_greedy, make_prompts, run_mixed_sampling, run_staggered, tight_config
 from tiny_checkpoints import write_peaked_random_head
+
+
+@functools.cache
+def hf_reference(path, seed: int = 0, max_tokens: int = 24) -> list[list[int]]:
+    return hf_greedy(path, make_prompts(512, seed), max_tokens=max_tokens)
 
 
 def tp_engine(config, size: int = 2):
@@ -39,7 +45,7 @@ def test_greedy_with_two_ranks_matches_transformers(kind, tiny_checkpoint):
         ours, _ = run_staggered(engine, prompts)
     finally:
         closed(engine)
-    assert ours == hf_greedy(path, prompts)
+    assert ours == hf_reference(path)
     assert engine.scheduler.num_preemptions > 0 and _all_pages_back(engine)
 
 
@@ -53,3 +59,47 @@ def test_every_rank_runs_with_nvlink_multicast_off(tiny_checkpoint):
         closed(engine)
     assert {k: env.get(k.encode()) for k in NO_MULTICAST_ENV} == {k: v.encode() for k, v in NO_MULTICAST_ENV.items()}
     assert worker.returncode == 0
+
+
+SHAPES = {"chain": dict(num_steps=3), "tree": dict(num_steps=4, eagle_topk=3, num_draft_tokens=9)}
+
+
+def _spec_engine(tmp_path, tiny_checkpoint, shape: str, **spec):
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    spec = SpecConfig("EAGLE3", str(tmp_path), **{**SHAPES[shape], **spec})
+    return tp_engine(replace(tight_config(str(path), 200), spec=spec)), path
+
+
+@pytest.mark.parametrize("shape,program,overlap", [("chain", True, False), ("chain", True, True),
+                                                   ("tree", True, True), ("tree", False, False)])
+def test_speculation_with_two_ranks_is_lossless(tmp_path, tiny_checkpoint, switches, shape, program, overlap):
+    """The chain and tree programs (overlapped: each drafting step follows the one in flight on the device) and
+    the general tree search: HF's output, and every rank accepted what rank 0 accepted (their replicated head
+    KV, taps and program state are identical)."""
+    switches(tree_program_on_cpu=program)
+    engine, path = _spec_engine(tmp_path, tiny_checkpoint, shape)
+    engine.overlap = overlap
+    prompts = make_prompts(512, seed=4)
+    try:
+        outputs, _ = run_staggered(engine, prompts)
+        agree = engine.runner.step_sender.replicas_agree(engine.runner)
+    finally:
+        closed(engine)
+    assert (engine.runner.program is not None and engine.runner.program.num_runs > 10) == program
+    assert outputs == hf_reference(path, seed=4)
+    assert agree and engine.scheduler.num_preemptions > 0 and _all_pages_back(engine)
+
+
+def test_sampled_rows_and_the_adaptive_plan_agree_on_every_rank(tmp_path, tiny_checkpoint):
+    """Greedy, top-k 1 and fully sampled requests in one batch, with the adaptive plan deciding when to draft:
+    every rank draws the same tokens (their replicated state agrees), and the greedy rows are HF's."""
+    engine, path = _spec_engine(tmp_path, tiny_checkpoint, "chain", adaptive=True)
+    prompts = make_prompts(512, seed=4)[:6]
+    try:
+        outputs = run_mixed_sampling(engine, prompts)
+        agree = engine.runner.step_sender.replicas_agree(engine.runner)
+    finally:
+        closed(engine)
+    reference = hf_reference(path, seed=4)
+    assert agree and [out == ref for out, ref in zip(outputs, reference)][:2] == [True, True]
