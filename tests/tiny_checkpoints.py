@@ -39,6 +39,8 @@ TINY_CONFIGS = {
         tie_word_embeddings=False,
     ),
     "llama-tied": dict(model_type="llama", tie_word_embeddings=True, attention_bias=True),
+    # One KV head: under tensor parallelism every rank holds a copy of it.
+    "llama-mqa": dict(model_type="llama", tie_word_embeddings=True, attention_bias=True, num_key_value_heads=1),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=False, rope_theta=1000000.0),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32),
     "deepseek-v3": dict(_DEEPSEEK_V3, q_lora_rank=None, n_shared_experts=1, n_group=2, topk_group=1),

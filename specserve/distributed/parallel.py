@@ -45,10 +45,10 @@ class TensorParallel:
         torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def shard(self, n: int) -> tuple[int, int]:
-        """(start, length) of this rank's equal slice of n."""
+    def shard(self, n: int, what: str = "") -> tuple[int, int]:
+        """(start, length) of this rank's equal slice of n (`what` names them in the error)."""
         if n % self.size:
-            raise ValueError(f"{n} does not split evenly over {self.size} tensor-parallel ranks")
+            raise ValueError(f"{n} {what or 'rows'} do not split evenly over {self.size} tensor-parallel ranks")
         length = n // self.size
         return self.rank * length, length
 
@@ -56,7 +56,7 @@ class TensorParallel:
         """(first, count) of the KV heads this rank holds. With fewer KV heads than ranks each rank holds one,
         shared by the size/num_kv_heads consecutive ranks whose query heads read it (as vLLM and SGLang do)."""
         if num_kv_heads >= self.size:
-            return self.shard(num_kv_heads)
+            return self.shard(num_kv_heads, "KV heads")
         if self.size % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over {self.size} ranks")
         return self.rank // (self.size // num_kv_heads), 1
@@ -71,6 +71,6 @@ def rank_model_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
     Raises ValueError where the heads do not split over the group."""
     if tp.size == 1:
         return config
-    _, heads = tp.shard(config.num_heads)
+    _, heads = tp.shard(config.num_heads, "attention heads")
     _, kv_heads = tp.kv_heads(config.num_kv_heads)
     return dataclasses.replace(config, num_heads=heads, num_kv_heads=kv_heads)

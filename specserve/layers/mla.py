@@ -23,31 +23,36 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.layers.attention import AttentionMetadata, attend, attend_rows
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import column_linear, row_linear
 from specserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm and kv_a_layernorm keep the default, whatever rms_norm_eps is
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        """Under tensor parallelism this rank's query heads only (q_proj or q_b_proj, kv_b_proj and o_proj
+        split by heads); the latent path (q_a_proj, kv_a_proj_with_mqa) and the latent cache stay whole on every
+        rank, since every head reads all of the latent."""
         super().__init__()
         m = cfg.mla
-        self.num_heads, self.rank = cfg.num_heads, m.kv_lora_rank
+        self.num_heads, self.rank = tp.shard(cfg.num_heads, "attention heads")[1], m.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         qk_dim = self.nope_dim + self.rope_dim
         if m.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, self.num_heads * qk_dim, bias=False)
+            self.q_proj = column_linear(cfg.hidden_size, self.num_heads * qk_dim, tp)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, m.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(m.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.q_b_proj = column_linear(m.q_lora_rank, self.num_heads * qk_dim, tp)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, m.latent_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(m.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.kv_b_proj = column_linear(m.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), tp)
+        self.o_proj = row_linear(self.num_heads * self.v_dim, cfg.hidden_size, tp, bias=cfg.attention_bias)
         self.scale = qk_dim**-0.5 * softmax_mscale(cfg) ** 2
         # Interleaved rotary pairs (x0, x1), (x2, x3) become halves, the layout rotary.py rotates.
         halves = torch.cat([torch.arange(0, self.rope_dim, 2), torch.arange(1, self.rope_dim, 2)])

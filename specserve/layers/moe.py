@@ -14,7 +14,11 @@ from specserve.kernels import moe
 
 class FusedExperts(nn.Module):
     """All routed experts of one layer, each a SiLU-gated MLP, stacked: `w13` [E, 2I, H] holds each expert's
-    gate rows, then its up rows; `w2` [E, H, I] its down projection."""
+    gate rows, then its up rows; `w2` [E, H, I] its down projection. Under tensor parallelism I is this rank's
+    slice of every expert's intermediate rows and the output a partial sum (`tp_dims`: the dimension of each
+    expert's checkpoint tensor that is sliced, for models/loader.py)."""
+
+    tp_dims = {"w13": 0, "w2": 1}
 
     # One expert's projection in a checkpoint (`...experts.{e}.gate_proj.weight`) -> (stacked parameter, shard):
     # models/loader.py copies gate_proj into the first I rows of w13[e], up_proj into the last I, down_proj

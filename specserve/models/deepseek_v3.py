@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig, MoEConfig
+from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.linear import Linear
 from specserve.layers.mla import MultiHeadLatentAttention
 from specserve.layers.moe import FusedExperts
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import column_linear, vocab_embedding
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.base import CausalLM, StackedParams
 from specserve.models.llama import MLP
@@ -73,27 +74,32 @@ def grouped_topk(scores: torch.Tensor, bias: torch.Tensor, moe: MoEConfig) -> tu
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        """Under tensor parallelism the router is whole on every rank; routed and shared experts hold this
+        rank's slice of their intermediate rows, and one all-reduce sums both partial outputs."""
         super().__init__()
         moe = cfg.moe
+        self.tp = tp
         self.gate = GroupedTopKRouter(cfg.hidden_size, moe)
-        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        _, intermediate = tp.shard(moe.intermediate_size, "expert intermediate rows")
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, intermediate)
         self.shared_experts = None
         if moe.num_shared_experts:  # one MLP as wide as all shared experts together
-            self.shared_experts = MLP(replace(cfg, intermediate_size=moe.intermediate_size * moe.num_shared_experts))
+            shared = replace(cfg, intermediate_size=moe.intermediate_size * moe.num_shared_experts)
+            self.shared_experts = MLP(shared, tp, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else self.shared_experts(x, add=out)
+        return self.tp.all_reduce(out if self.shared_experts is None else self.shared_experts(x, add=out))
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = MultiHeadLatentAttention(cfg)
+        self.self_attn = MultiHeadLatentAttention(cfg, tp)
         sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
-        self.mlp = DeepseekV3MoE(cfg) if sparse else MLP(cfg)
+        self.mlp = DeepseekV3MoE(cfg, tp) if sparse else MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -112,16 +118,17 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module, CausalLM):
     stacked_params = STACKED_PARAMS
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank's place in a tensor-parallel group (docs/architecture.md says what is sharded)."""
         super().__init__()
         if cfg.mla is None:
             raise ValueError("DeepseekV3ForCausalLM needs MLA settings (kv_lora_rank and the head dims)")
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.config, self.tp = cfg, tp
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = column_linear(cfg.hidden_size, tp.shard(cfg.vocab_size, "vocabulary rows")[1], tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -150,4 +157,4 @@ class DeepseekV3ForCausalLM(nn.Module, CausalLM):
         return self.norm(x, residual)[0], [outputs[i] for i in capture_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.tp.all_gather(self.lm_head(hidden), dim=-1)  # each rank's vocabulary slice, in rank order

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
 from specserve.layers.attention import AttentionMetadata, attend
-from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import column_linear, row_linear, vocab_embedding
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.base import CausalLM, StackedParams
 
@@ -37,15 +38,19 @@ class AttentionForm:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, form: AttentionForm, in_features: int | None = None) -> None:
-        """`in_features` defaults to the hidden size; an EAGLE-3 head reads [embedding; hidden] (2H)."""
+    def __init__(self, cfg: ModelConfig, form: AttentionForm, in_features: int | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
+        """`in_features` defaults to the hidden size; an EAGLE-3 head reads [embedding; hidden] (2H). Under
+        tensor parallelism this rank's heads only (`rank_model_config`)."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(in_features or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=form.qkv_bias)
+        local = rank_model_config(cfg, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, cfg.head_dim
+        self.q_size = local.num_heads * cfg.head_dim
+        self.kv_size = local.num_kv_heads * cfg.head_dim
+        self.qkv_proj = column_linear(in_features or cfg.hidden_size, self.q_size + 2 * self.kv_size, tp,
+                                      bias=form.qkv_bias)
         self.qkv_proj.takes_norm = in_features is None  # a decoder layer's input norm; the head's input is normed
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=form.o_bias)
+        self.o_proj = row_linear(self.q_size, cfg.hidden_size, tp, bias=form.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if form.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if form.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -75,11 +80,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, reduce: bool = True) -> None:
+        """Under tensor parallelism this rank's slice of the intermediate rows; `reduce` False leaves the
+        output a partial sum, for a caller that sums it with others in one all-reduce."""
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        _, intermediate = tp.shard(cfg.intermediate_size, "intermediate rows")
+        self.gate_up_proj = column_linear(cfg.hidden_size, 2 * intermediate, tp)
         self.gate_up_proj.gated = self.gate_up_proj.takes_norm = True
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = row_linear(intermediate, cfg.hidden_size, tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu_and_mul(gate_up(norm(x)))) + add; norm and add are optional."""
@@ -87,11 +95,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, form: AttentionForm, mlp: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, form: AttentionForm, mlp: nn.Module | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         """`mlp` replaces the dense MLP (a MoE block); it is called as `MLP` is: mlp(x, norm=None, add=None)."""
         super().__init__()
-        self.self_attn = Attention(cfg, form)
-        self.mlp = MLP(cfg) if mlp is None else mlp
+        self.self_attn = Attention(cfg, form, tp=tp)
+        self.mlp = MLP(cfg, tp) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -131,15 +140,16 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module, CausalLM):
     stacked_params = STACKED_PARAMS
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank's place in a tensor-parallel group (docs/architecture.md says what is sharded)."""
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.config, self.tp = cfg, tp
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         form = self.attention_form(cfg)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, form, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, form, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = column_linear(cfg.hidden_size, tp.shard(cfg.vocab_size, "vocabulary rows")[1], tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -149,9 +159,9 @@ class LlamaForCausalLM(nn.Module, CausalLM):
         return AttentionForm(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
 
     @staticmethod
-    def decoder_layer(cfg: ModelConfig, form: AttentionForm, index: int) -> DecoderLayer:
+    def decoder_layer(cfg: ModelConfig, form: AttentionForm, index: int, tp: TensorParallel) -> DecoderLayer:
         """Decoder layer `index`; an architecture whose layers differ (MoE in some) overrides this."""
-        return DecoderLayer(cfg, form)
+        return DecoderLayer(cfg, form, tp=tp)
 
     def forward(
         self,
@@ -174,4 +184,4 @@ class LlamaForCausalLM(nn.Module, CausalLM):
         return hidden, [outputs[i] for i in capture_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.tp.all_gather(self.lm_head(hidden), dim=-1)  # each rank's vocabulary slice, in rank order

@@ -13,8 +13,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
 from specserve.layers.linear import Linear, can_prepack, norms_go_in_weights, prepack_linears
 from specserve.layers.moe import FusedExperts
+from specserve.layers.parallel import FIRST_RANK
 from specserve.models.base import CausalLM, NormFoldable
 from specserve.models.registry import model_class, model_config
 
@@ -32,17 +34,22 @@ def build_model(
     max_positions: int,
     seed: int = 0,
     progress: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """Weights come from `model_dir`, or are random when `model_dir` is None (load format `dummy`). An
-    unsupported architecture fails here, before any weights are read."""
+    unsupported architecture fails here, before any weights are read. Under tensor parallelism (`tp`, in a
+    process whose torch.distributed group is already up) the model holds this rank's shard of each split
+    tensor, and only that shard is read from safetensors."""
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(cfg.architecture)(cfg, max_positions)
+        model = model_class(cfg.architecture)(cfg, max_positions, tp=tp)
     model.to(dtype=dtype)
     model.rotary.float()  # keep rotary angles in fp32
     if model_dir is None:
         _randomize(model, seed)
-    else:
+    elif tp.size == 1:
         _load_weights(model, iter_checkpoint(model_dir), progress)
+    else:
+        _load_weights(model, iter_checkpoint_slices(model_dir), progress, tp)
     model.eval().requires_grad_(False)
     if norms_go_in_weights(device, dtype):
         _move_norm_weights(model)
@@ -105,7 +112,22 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield from torch.load(path, map_location="cpu", weights_only=True).items()
 
 
-def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], progress: bool) -> None:
+def iter_checkpoint_slices(model_dir: Path) -> Iterator[tuple[str, object]]:
+    """(name, a tensor not yet read) for safetensors, whose rows or columns can be read alone (`_read_slice`);
+    a pickled checkpoint's tensors come whole."""
+    for path in checkpoint_files(model_dir):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_slice(name)
+        else:
+            yield from torch.load(path, map_location="cpu", weights_only=True).items()
+
+
+def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, object]], progress: bool,
+                  tp: TensorParallel = SINGLE) -> None:
+    """Copies each checkpoint tensor into its parameter: whole, or under tensor parallelism (`weights` then
+    from `iter_checkpoint_slices`) only this rank's shard of it."""
     cfg = _model_config(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -115,13 +137,42 @@ def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Ten
         target, shard = _target_of(model.stacked_params, cfg, name)
         if target is None or skips(name):
             continue
+        if tp.size > 1:
+            tensor = _rank_shard(model, tensor, target, shard, cfg, tp)
         if target in buffers and target not in params:  # e.g. an EAGLE-3 head's d2t / t2d maps
             buffers[target].copy_(tensor)
             loaded.add(target)
             continue
-        _copy_into(params[target], tensor, shard, cfg, target)
+        _copy_into(params[target], tensor, shard, rank_model_config(cfg, tp), target)
         loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(cfg, params, loaded)
+
+
+def _rank_shard(model: torch.nn.Module, tensor, target: str, shard: Shard, cfg: ModelConfig,
+                tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor bound for parameter `target`: the slice its owning module's
+    `tp_dims` names (layers/parallel.py), or all of it for a replicated parameter."""
+    owner, _, param = target.rpartition(".")
+    dim = getattr(model.get_submodule(owner), "tp_dims", {}).get(param)
+    if dim is None:
+        return _read_slice(tensor)
+    if dim == FIRST_RANK:
+        whole = _read_slice(tensor)
+        return whole if tp.rank == 0 else torch.zeros_like(whole)
+    shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+    if "qkv_proj" in target and shard in (1, 2):  # k or v: this rank's KV heads, shared where fewer than ranks
+        first, count = tp.kv_heads(cfg.num_kv_heads)
+        start, length = first * cfg.head_dim, count * cfg.head_dim
+    else:
+        start, length = tp.shard(shape[dim])
+    return _read_slice(tensor, dim, start, length)
+
+
+def _read_slice(tensor, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of a safetensors slice or a tensor; all of it
+    when `length` is None."""
+    index = (slice(None),) * dim + (slice(start, None if length is None else start + length),)
+    return tensor[index]
 
 
 def _model_config(model: torch.nn.Module) -> ModelConfig:

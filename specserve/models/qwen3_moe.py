@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.layers.linear import Linear
 from specserve.layers.moe import FusedExperts, softmax_topk
 from specserve.layers.norm import RMSNorm
@@ -18,24 +19,27 @@ from specserve.models.qwen3 import Qwen3ForCausalLM
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        """Under tensor parallelism the router is whole on every rank and each expert holds this rank's slice
+        of its intermediate rows: one all-reduce sums the experts' partial outputs."""
         super().__init__()
         moe = cfg.moe
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.tp = moe.top_k, moe.norm_topk_prob, tp
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
-        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        _, intermediate = tp.shard(moe.intermediate_size, "expert intermediate rows")
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, intermediate)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
         """experts(norm(x)) + add, as the dense MLP is called; norm and add are optional."""
         if norm is not None:
             x = norm(x)
         weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = self.experts(x, weights, ids)
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
         return out if add is None else out + add
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
-    def decoder_layer(cfg: ModelConfig, form: AttentionForm, index: int) -> DecoderLayer:
+    def decoder_layer(cfg: ModelConfig, form: AttentionForm, index: int, tp: TensorParallel) -> DecoderLayer:
         sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
-        return DecoderLayer(cfg, form, SparseMoeBlock(cfg) if sparse else None)
+        return DecoderLayer(cfg, form, SparseMoeBlock(cfg, tp) if sparse else None, tp)

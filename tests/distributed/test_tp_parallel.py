@@ -41,7 +41,7 @@ def test_rank_config_sizes_the_pool_per_rank():
 
 
 def test_indivisible_heads_are_refused():
-    with pytest.raises(ValueError, match="does not split evenly"):
+    with pytest.raises(ValueError, match="attention heads do not split evenly"):
         rank_model_config(_config(heads=6, kv_heads=6), TensorParallel(0, 4))
     with pytest.raises(ValueError, match="cannot be replicated evenly"):
         TensorParallel(0, 4).kv_heads(3)

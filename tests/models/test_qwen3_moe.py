@@ -133,9 +133,9 @@ def test_a_bf16_model_is_built_in_bf16(tiny_checkpoint, monkeypatch):
     built_in = []
 
     class Spy(Qwen3MoeForCausalLM):
-        def __init__(self, cfg, max_positions):
+        def __init__(self, cfg, max_positions, **kwargs):
             built_in.append(torch.get_default_dtype())
-            super().__init__(cfg, max_positions)
+            super().__init__(cfg, max_positions, **kwargs)
 
     path = tiny_checkpoint("qwen3-moe", True)
     cfg = read_model_config(path)

@@ -1,0 +1,110 @@
+"""Sharded models: two ranks (gloo, CPU, fp32) give the logits one rank gives, for a prompt step and a decode
+step, on Llama (KV heads split; one KV head copied to both ranks, with tied embeddings and an o_proj bias),
+Qwen2 (qkv biases), Qwen3-MoE (experts split inside) and DeepSeek-V3 (MLA heads split, latent cache whole; with
+and without q_lora). The checkpoints are written as several safetensors files with an index, and each rank reads
+only its shards of them. One spawn of two ranks serves the whole module."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
+from specserve.layers.attention import AttentionMetadata
+from specserve.models.loader import build_model, read_model_config
+from tiny_checkpoints import write_tiny_checkpoint
+
+KINDS = ("llama", "llama-mqa", "qwen2", "qwen3-moe", "deepseek-v3", "deepseek-v3-qlora")
+PAGE, PROMPTS = 4, ([5, 17, 42, 8, 3], [9, 1, 250, 77, 31, 64, 12])
+
+
+def step_logits(path: Path, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of every row of a prompt step over two sequences, then of one decode row each."""
+    cfg = read_model_config(path)
+    model = build_model(cfg, path, torch.float32, torch.device("cpu"), 64, progress=False, tp=tp)
+    planes, heads, dim = rank_model_config(cfg, tp).kv_entry_shape
+    kv_cache = torch.zeros(cfg.num_layers, planes, 8 * PAGE, heads, dim)
+    tables = [[0, 1, 2], [3, 4, 5]]
+    lens = [len(p) for p in PROMPTS]
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    meta = AttentionMetadata.build(lens, [0, 0], tables, PAGE, torch.device("cpu"))
+    with torch.no_grad():
+        prompt = model.compute_logits(model(ids, positions, meta, kv_cache)[0])
+        last = prompt[[lens[0] - 1, sum(lens) - 1]].argmax(-1)
+        meta = AttentionMetadata.build([1, 1], lens, tables, PAGE, torch.device("cpu"))
+        decode = model.compute_logits(model(last, torch.tensor(lens), meta, kv_cache)[0])
+    return prompt, decode
+
+
+def _rank(rank: int, size: int, init: str, paths: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        tp = TensorParallel(rank, size)
+        results = {kind: step_logits(Path(path), tp) for kind, path in zip(KINDS, paths)}
+        results["mqa k rows"] = _k_rows(Path(paths[KINDS.index("llama-mqa")]), tp)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _k_rows(path: Path, tp: TensorParallel) -> torch.Tensor:
+    cfg = read_model_config(path)
+    model = build_model(cfg, path, torch.float32, torch.device("cpu"), 64, progress=False, tp=tp)
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    q = cfg.num_heads // tp.size * cfg.head_dim
+    return qkv[q:q + cfg.head_dim]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    paths = {}
+    for kind in KINDS:
+        paths[kind] = tmp_path_factory.mktemp(f"tp-{kind}")
+        write_tiny_checkpoint(kind, paths[kind], sharded=True)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("tp-out")
+    init = f"file://{out / 'rendezvous'}"
+    mp.spawn(_rank, args=(2, init, [str(checkpoints[k]) for k in KINDS], str(out)), nprocs=2)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_checkpoints_are_sharded_over_several_files(checkpoints):
+    for path in checkpoints.values():
+        assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_give_one_rank_logits(checkpoints, two_ranks, kind):
+    prompt, decode = step_logits(checkpoints[kind], SINGLE)
+    for rank in two_ranks:
+        torch.testing.assert_close(rank[kind][0], prompt, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rank[kind][1], decode, rtol=1e-4, atol=1e-4)
+
+
+def test_a_single_kv_head_is_copied_to_every_rank(checkpoints, two_ranks):
+    from safetensors import safe_open
+
+    path = checkpoints["llama-mqa"]
+    index = (path / "model.safetensors.index.json").read_text()
+    name = "model.layers.0.self_attn.k_proj.weight"
+    file = next(f for f in path.glob("*.safetensors") if f.name in index and name in safe_open(str(f), "pt").keys())
+    whole = safe_open(str(file), "pt").get_tensor(name)
+    for rank in two_ranks:
+        torch.testing.assert_close(rank["mqa k rows"], whole)
+
+
+def test_heads_that_do_not_split_are_refused(checkpoints):
+    path = checkpoints["llama"]
+    with pytest.raises(ValueError, match="attention heads do not split evenly over 8"):
+        build_model(read_model_config(path), path, torch.float32, torch.device("cpu"), 64, progress=False,
+                    tp=TensorParallel(0, 8))
