@@ -83,3 +83,13 @@ def vocab_embedding(vocab_size: int, dim: int, tp: TensorParallel) -> nn.Embeddi
     if tp.size == 1:
         return nn.Embedding(vocab_size, dim)
     return VocabParallelEmbedding(vocab_size, dim, tp)
+
+
+def whole_embedding(embedding: nn.Embedding) -> nn.Embedding:
+    """The whole [V, H] embedding on every rank, for readers that look rows up without a collective (a draft
+    head replicated on every rank, whose fused kernels read the weight). The embedding itself when it is whole;
+    else one all-gather of the rows, at startup."""
+    if not isinstance(embedding, VocabParallelEmbedding):
+        return embedding
+    rows = embedding.tp.all_gather(embedding.weight.detach(), dim=0)
+    return nn.Embedding.from_pretrained(rows, freeze=True)

@@ -5,6 +5,7 @@ and without q_lora). The checkpoints are written as several safetensors files wi
 only its shards of them. One spawn of two ranks serves the whole module."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors import safe_open
 
 from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
 from specserve.layers.attention import AttentionMetadata
+from specserve.layers.parallel import whole_embedding
 from specserve.models.loader import build_model, read_model_config
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -47,18 +50,19 @@ def _rank(rank: int, size: int, init: str, paths: list[str], out: str) -> None:
     try:
         tp = TensorParallel(rank, size)
         results = {kind: step_logits(Path(path), tp) for kind, path in zip(KINDS, paths)}
-        results["mqa k rows"] = _k_rows(Path(paths[KINDS.index("llama-mqa")]), tp)
+        results.update(_replicated_parts(Path(paths[KINDS.index("llama-mqa")]), tp))
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _k_rows(path: Path, tp: TensorParallel) -> torch.Tensor:
+def _replicated_parts(path: Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """The k rows of layer 0's qkv_proj (one KV head) and the embedding gathered whole."""
     cfg = read_model_config(path)
     model = build_model(cfg, path, torch.float32, torch.device("cpu"), 64, progress=False, tp=tp)
-    qkv = model.layers[0].self_attn.qkv_proj.weight
     q = cfg.num_heads // tp.size * cfg.head_dim
-    return qkv[q:q + cfg.head_dim]
+    return {"k rows": model.layers[0].self_attn.qkv_proj.weight[q:q + cfg.head_dim],
+            "whole embedding": whole_embedding(model.embed_tokens).weight}
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +96,21 @@ def test_two_ranks_give_one_rank_logits(checkpoints, two_ranks, kind):
 
 
 def test_a_single_kv_head_is_copied_to_every_rank(checkpoints, two_ranks):
-    from safetensors import safe_open
-
-    path = checkpoints["llama-mqa"]
-    index = (path / "model.safetensors.index.json").read_text()
-    name = "model.layers.0.self_attn.k_proj.weight"
-    file = next(f for f in path.glob("*.safetensors") if f.name in index and name in safe_open(str(f), "pt").keys())
-    whole = safe_open(str(file), "pt").get_tensor(name)
     for rank in two_ranks:
-        torch.testing.assert_close(rank["mqa k rows"], whole)
+        torch.testing.assert_close(rank["k rows"], _checkpoint_tensor(checkpoints["llama-mqa"], "k_proj"))
+
+
+def test_the_embedding_gathers_whole_on_every_rank(checkpoints, two_ranks):
+    for rank in two_ranks:
+        torch.testing.assert_close(rank["whole embedding"], _checkpoint_tensor(checkpoints["llama-mqa"], "embed"))
+
+
+def _checkpoint_tensor(path: Path, part: str) -> torch.Tensor:
+    """Layer 0's `part` (or the embedding), read whole from the sharded checkpoint."""
+    name = "model.embed_tokens.weight" if part == "embed" else f"model.layers.0.self_attn.{part}.weight"
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(path / index[name]), "pt") as f:
+        return f.get_tensor(name)
 
 
 def test_heads_that_do_not_split_are_refused(checkpoints):
