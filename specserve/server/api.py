@@ -22,6 +22,7 @@ from specserve.engine.async_engine import AsyncEngine, EngineError, Generation, 
 from specserve.engine.output import RequestOutput
 from specserve.core import MAX_INT64, MAX_LOGPROBS, SamplingParams
 from specserve.llm import chat_prompt_ids
+from specserve.server.gateway import install_gateway_routes
 from specserve.server.limits import BodyLimit
 from specserve.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs, total_logprob
 from specserve.server.metrics import Metrics
@@ -86,7 +87,13 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
                 "speculative_acceptance_simulated": simulated,
                 "spec": {"algorithm": spec.algorithm, "num_steps": spec.num_steps, "eagle_topk": spec.eagle_topk,
                          "num_draft_tokens": spec.num_draft_tokens, "adaptive": spec.adaptive,
-                         "simulate_accept_len": spec.simulate_accept_len}}
+                         "simulate_accept_len": spec.simulate_accept_len},
+                # The names SGLang's /server_info gives them, which a gateway reads (server/gateway.py).
+                "served_model_name": model_name, "context_length": engine.context_length, "dp_size": 1,
+                "max_total_tokens": engine.stats.pages_total * config.engine.cache.page_size if engine.stats else None}
+
+    app.add_api_route("/get_server_info", server_info, methods=["GET"])  # SGLang's older name
+    install_gateway_routes(app, config, engine, metrics, model_name)
 
     # Tokenizing a long prompt takes a while: it runs on a thread of its own, so /health and the streams in flight
     # keep their event loop. One thread, as the fast tokenizer's split_special_tokens is state (specserve/llm.py).

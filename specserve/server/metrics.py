@@ -1,6 +1,10 @@
 """Prometheus metrics, on a registry of their own so several servers can live in one process (tests)."""
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specserve.engine.engine import EngineStats
@@ -43,6 +47,7 @@ class Metrics:
         self.itl = Histogram(
             "specserve_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.recent = RecentTokens()
 
     def on_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
@@ -59,6 +64,7 @@ class Metrics:
 
     def on_tokens(self, count: int, ttft: float | None, itl: float | None) -> None:
         self.generation_tokens.inc(count)
+        self.recent.add(count, itl)
         if ttft is not None:
             self.ttft.observe(ttft)
         if itl is not None:
@@ -71,3 +77,41 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RecentTokens:
+    """The output tokens of the last `window_s` seconds, for a gateway's load-aware routing: the rate this
+    server drains work at, and the milliseconds one more token takes a running request. Both come after
+    speculation (a verified step's accepted drafts arrive as tokens of one delta), so a replica whose drafts
+    are accepted reports itself faster than one whose plan drafts nothing."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._deltas: deque[tuple[float, int, float | None]] = deque()  # (when, tokens, seconds since the last)
+        self._lock = threading.Lock()  # written by the engine's reader thread, read by the event loop
+
+    def add(self, count: int, itl: float | None, now: float | None = None) -> None:
+        with self._lock:
+            self._deltas.append((time.monotonic() if now is None else now, count, itl))
+
+    def _recent(self, now: float | None) -> list[tuple[float, int, float | None]]:
+        cutoff = (time.monotonic() if now is None else now) - self.window_s
+        with self._lock:
+            while self._deltas and self._deltas[0][0] < cutoff:
+                self._deltas.popleft()
+            return list(self._deltas)
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        return sum(count for _, count, _ in self._recent(now)) / self.window_s
+
+    def ms_per_token(self, now: float | None = None) -> float | None:
+        """Milliseconds per output token of one request, over the deltas that followed an earlier one: a
+        delta of k accepted tokens after t seconds counts t / k. None when no request decoded lately."""
+        timed = [(count, itl) for _, count, itl in self._recent(now) if itl is not None]
+        tokens = sum(count for count, _ in timed)
+        return 1000 * sum(itl for _, itl in timed) / tokens if tokens else None
+
+    def any_since(self, seconds: float, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        recent = self._recent(now)
+        return bool(recent) and recent[-1][0] >= now - seconds
