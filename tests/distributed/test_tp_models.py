@@ -118,3 +118,58 @@ def test_heads_that_do_not_split_are_refused(checkpoints):
     with pytest.raises(ValueError, match="attention heads do not split evenly over 8"):
         build_model(read_model_config(path), path, torch.float32, torch.device("cpu"), 64, progress=False,
                     tp=TensorParallel(0, 8))
+
+
+class _RecordingCheckpoint:
+    """safe_open that records the shape of every slice read and refuses whole-tensor reads."""
+
+    def __init__(self, reads: dict[str, tuple[int, ...]], path: str, framework: str) -> None:
+        self.reads, self.file = reads, safe_open(path, framework)
+
+    def __enter__(self):
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+    def keys(self):
+        return self.file.keys()
+
+    def get_tensor(self, name: str):
+        raise AssertionError(f"{name} was read whole")
+
+    def get_slice(self, name: str):
+        whole, reads = self.file.get_slice(name), self.reads
+
+        class Slice:
+            def get_shape(self):
+                return whole.get_shape()
+
+            def __getitem__(self, index):
+                part = whole[index]
+                reads[name] = tuple(part.shape)
+                return part
+
+        return Slice()
+
+
+def test_a_rank_reads_only_its_slices(checkpoints, monkeypatch):
+    """Loading needs no collective, so one rank's load runs here without a group."""
+    import specserve.models.loader as loader
+
+    reads = {}
+    monkeypatch.setattr(loader, "safe_open", lambda path, framework: _RecordingCheckpoint(reads, path, framework))
+    path = checkpoints["qwen3-moe"]
+    cfg = read_model_config(path)
+    build_model(cfg, path, torch.float32, torch.device("cpu"), 64, progress=False, tp=TensorParallel(1, 2))
+    hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = "model.layers.0"
+    assert reads[f"{layer}.self_attn.q_proj.weight"] == (q // 2, hidden)
+    assert reads[f"{layer}.self_attn.k_proj.weight"] == (kv // 2, hidden)
+    assert reads[f"{layer}.self_attn.o_proj.weight"] == (hidden, q // 2)
+    assert reads[f"{layer}.mlp.experts.3.up_proj.weight"] == (cfg.moe.intermediate_size // 2, hidden)
+    assert reads[f"{layer}.mlp.experts.3.down_proj.weight"] == (hidden, cfg.moe.intermediate_size // 2)
+    assert reads[f"{layer}.mlp.gate.weight"] == (cfg.moe.num_experts, hidden)  # the router, whole
+    assert reads["model.embed_tokens.weight"] == (cfg.vocab_size // 2, hidden)
+    assert reads["lm_head.weight"] == (cfg.vocab_size // 2, hidden)
