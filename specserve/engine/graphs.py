@@ -93,7 +93,7 @@ class DecodeGraphs:
     def _meta(self, bs: int, n: int) -> AttentionMetadata:
         x = self.inputs[(bs, n)]
         return AttentionMetadata.for_decode_kernel(x.slots, x.table, x.seq_lens, self.page_size,
-                                                   self.model.config.num_kv_heads, n)
+                                                   self.model.config.kv_entry_shape[1], n)
 
     def _forward(self, bs: int, n: int) -> DecodeOutput:
         x, meta = self.inputs[(bs, n)], self._meta(bs, n)

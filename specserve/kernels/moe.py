@@ -25,7 +25,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     sum over its k experts e of weight * w2[e] @ silu_and_mul(w13[e] @ x)."""
     gpu = _triton_moe() if x.is_cuda and not torch.is_grad_enabled() else None
     if gpu is not None and x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1:
-        return _weighted_sum(gpu.expert_outputs(x, w13, w2, topk_ids), topk_weights, x.dtype)
+        return gpu.moe_routing.weighted_sum(gpu.expert_outputs(x, w13, w2, topk_ids), topk_weights, x.dtype)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return gathered_experts(x, w13, w2, topk_weights, topk_ids)
     return eager_fused_experts(x, w13, w2, topk_weights, topk_ids)
@@ -61,6 +61,20 @@ def gathered_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     gate_up = torch.bmm(w13[pair_experts], rows).squeeze(-1)
     out = torch.bmm(w2[pair_experts], pointwise.silu_and_mul(gate_up).unsqueeze(-1)).squeeze(-1)
     return _weighted_sum(out, topk_weights, x.dtype)
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-MoE (and Mixtral) routing: softmax over all experts in fp32, the top_k largest; with `renormalize`
+    (a config's `norm_topk_prob`) the chosen weights are scaled to sum to one. Returns (weights [T, k] fp32,
+    expert ids [T, k] int64). On a GPU one Triton launch; elsewhere, and where k is not a power of two, PyTorch."""
+    gpu = _triton_moe() if router_logits.is_cuda and not torch.is_grad_enabled() else None
+    if gpu is not None and top_k & (top_k - 1) == 0 and router_logits.stride(-1) == 1:
+        return gpu.moe_routing.softmax_topk(router_logits, top_k, renormalize)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 @functools.cache

@@ -42,11 +42,7 @@ class FusedExperts(nn.Module):
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen-MoE (and Mixtral) routing: softmax over all experts in fp32, the top_k largest; with `renormalize`
-    (a config's `norm_topk_prob`) the chosen weights are scaled to sum to one. Returns (weights [T, k] fp32,
-    expert ids [T, k] int64)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    """Qwen-MoE (and Mixtral) routing: softmax over all experts, the top_k largest, renormalised to sum to one
+    where the config's `norm_topk_prob` says (kernels/moe.softmax_topk). Returns (weights [T, k] fp32, expert ids
+    [T, k] int64)."""
+    return moe.softmax_topk(router_logits, top_k, renormalize)

@@ -55,3 +55,32 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
             graph.replay()
             ref = eager_fused_experts(x, w13, w2, weights, ids)
             torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def assert_same_layout(slots, blocks, ref_slots, ref_blocks, ids, block_m):
+    """The same blocks and pads, every pair once, each in a block of its expert. Which of an expert's pairs
+    fill which of its blocks is the atomics' order, and changes no result."""
+    pairs = ids.reshape(-1)
+    real = slots != pairs.numel()
+    assert torch.equal(blocks, ref_blocks) and torch.equal(real, ref_slots != pairs.numel())
+    assert torch.equal(slots[real].sort().values, torch.arange(pairs.numel(), device=slots.device))
+    assert torch.equal(pairs[slots[real]], blocks.repeat_interleave(block_m)[real])
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(1, 128, 8), (33, 128, 8), (200, 64, 4)])
+def test_routing_kernels_match_their_pytorch_forms(tokens, experts, k):
+    from specserve.kernels.moe import _weighted_sum
+    from specserve.kernels.triton import fused_moe, moe_routing
+
+    torch.manual_seed(tokens)
+    logits = torch.randn(tokens, experts, device="cuda") * 2
+    weights, ids = moe_routing.softmax_topk(logits, k, renormalize=True)
+    probs = torch.softmax(logits, dim=-1)
+    ref_weights, ref_ids = torch.topk(probs, k, dim=-1)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights / ref_weights.sum(-1, keepdim=True))
+    slots, blocks = moe_routing.align(ids, experts, 16)
+    assert_same_layout(slots, blocks, *fused_moe.align(ids, experts, 16), ids, 16)
+    pair_out = torch.randn(tokens * k, 2048, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(moe_routing.weighted_sum(pair_out, weights, torch.bfloat16),
+                               _weighted_sum(pair_out, weights, torch.bfloat16), atol=1e-2, rtol=1e-2)

@@ -74,6 +74,24 @@ from specserve.layers.moe import softmax_topk
 slot_pairs, block_expert = align(torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]]), 5, block_m=16)
 assert block_expert.tolist() == [0, 1, 2, 3, -1, -1]  # expert 4 untouched; spare blocks for the worst routing
 assert slot_pairs[16:19].tolist() == [1, 2, 5] and (slot_pairs[19:32] == 8).all()  # expert 1's pairs, in order
+from specserve.kernels.triton import moe_routing
+for shape, experts, block_m in (((4, 2), 5, 16), ((300, 8), 128, 16), ((3000, 2), 4, 64)):  # the last: PyTorch's
+    ids = torch.randint(0, experts, shape)
+    slots, blocks = moe_routing.align(ids, experts, block_m)
+    ref_slots, ref_blocks = align(ids, experts, block_m)
+    real = slots != ids.numel()  # the same blocks and pads; every pair once, in a block of its expert
+    assert torch.equal(blocks, ref_blocks) and torch.equal(real, ref_slots != ids.numel())
+    assert torch.equal(slots[real].sort().values, torch.arange(ids.numel()))
+    assert torch.equal(ids.reshape(-1)[slots[real]], blocks.repeat_interleave(block_m)[real])
+logits = torch.randn(37, 128) * 2
+for k, width, renormalize in ((8, 128, True), (4, 60, False)):
+    weights, ids = moe_routing.softmax_topk(logits[:, :width].contiguous(), k, renormalize)
+    ref_weights, ref_ids = softmax_topk(logits[:, :width], k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
+pair_out, pair_weights = torch.randn(37 * 8, 96), torch.rand(37, 8)
+torch.testing.assert_close(moe_routing.weighted_sum(pair_out, pair_weights, torch.float32),
+                           _weighted_sum(pair_out, pair_weights, torch.float32))
 torch.manual_seed(0)
 for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
     # One token; widths that are not multiples of the tiles; an expert with more rows than a block holds, in
@@ -84,7 +102,7 @@ for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
         w2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype)
         x = torch.randn(tokens, hidden).to(dtype)
         weights, ids = softmax_topk(torch.randn(tokens, experts) * 2, k, renormalize=True)
-        out = _weighted_sum(expert_outputs(x, w13, w2, ids), weights, dtype)
+        out = moe_routing.weighted_sum(expert_outputs(x, w13, w2, ids), weights, dtype)
         reference = eager_fused_experts(x, w13, w2, weights, ids)
         torch.testing.assert_close(out.float(), reference.float(), atol=tolerance, rtol=tolerance)
 """

@@ -12,12 +12,24 @@ registers; the second writes each pair's output back in pair order. The caller w
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64
-BLOCK_K = 64
+from specserve.kernels.triton import moe_routing
+
+
+class Tile(NamedTuple):
+    """One GEMM's launch shape: output columns and reduction depth per iteration, warps, pipeline stages."""
+    block_n: int = 64
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+DEFAULT_TILES = (Tile(), Tile())  # (gate-up GEMM, down GEMM)
 
 
 @triton.jit
@@ -77,7 +89,7 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lays the token-expert pairs (pair p = token * k + j) out by expert, each expert's run padded to whole
+    """The layout's PyTorch form (`moe_routing.align`, one launch, is what the GEMMs take). Lays the token-expert pairs (pair p = token * k + j) out by expert, each expert's run padded to whole
     blocks: returns (slot_pairs [num_blocks * block_m], the pair in each slot or T*k for a pad; block_expert
     [num_blocks], each block's expert or -1 past the last). Within an expert, pairs keep token order. The
     number of blocks is the most any routing of this shape needs, so no count is read back."""
@@ -101,24 +113,31 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     return slot_pairs, block_expert
 
 
-def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                   tiles: tuple[Tile, Tile] | None = None) -> torch.Tensor:
     """Each pair's unweighted expert output, [T*k, H] in pair order (token-major): w2[e] @ silu_and_mul(w13[e] @ x)
-    with e the pair's expert. x [T, H], w13 [E, 2I, H] and w2 [E, H, I] with unit-stride rows."""
+    with e the pair's expert. x [T, H], w13 [E, 2I, H] and w2 [E, H, I] with unit-stride rows. `tiles`: the two
+    GEMMs' launch shapes (default: `DEFAULT_TILES`)."""
     num_tokens, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
+    gate_up, down = tiles or DEFAULT_TILES
     block_m = block_rows(num_tokens * k, num_experts)
-    slot_pairs, block_expert = align(topk_ids, num_experts, block_m)
-    num_blocks = block_expert.numel()
+    slot_pairs, block_expert = moe_routing.align(topk_ids, num_experts, block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only reaches fp32 inputs
-    act = x.new_empty(num_blocks * block_m, inter)
-    _expert_gemm_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
-        x, w13, act, slot_pairs, block_expert, num_tokens * k, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), N=inter, K=hidden, TOPK=k, GATHER_A=True, SCATTER_C=False, GATED=True, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    act = x.new_empty(block_expert.numel() * block_m, inter)
+    _gemm(x, w13, act, slot_pairs, block_expert, num_tokens * k, k, gate_up, block_m, precision, gated=True)
     out = x.new_empty(num_tokens * k, hidden)
-    _expert_gemm_kernel[(num_blocks, triton.cdiv(hidden, BLOCK_N))](
-        act, w2, out, slot_pairs, block_expert, num_tokens * k, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), N=hidden, K=inter, TOPK=k, GATHER_A=False, SCATTER_C=True, GATED=False,
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _gemm(act, w2, out, slot_pairs, block_expert, num_tokens * k, k, down, block_m, precision, gated=False)
     return out
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, slot_pairs: torch.Tensor, block_expert: torch.Tensor,
+          num_pairs: int, topk: int, tile: Tile, block_m: int, precision: str, gated: bool) -> None:
+    """The gate-up GEMM (`gated`: rows gathered from tokens, SiLU-and-multiply, out by slot) or the down GEMM
+    (rows by slot, out scattered to pairs)."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    _expert_gemm_kernel[(block_expert.numel(), triton.cdiv(n, tile.block_n))](
+        a, w, c, slot_pairs, block_expert, num_pairs, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        N=n, K=w.shape[2], TOPK=topk, GATHER_A=gated, SCATTER_C=not gated, GATED=gated, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)

@@ -125,7 +125,7 @@ class ChainGraphs(SpecGraphs):
         self.verify_ids[:bs, 0] = self.root_ids[:bs]
         table = self.tables[n][:bs]
         row_table = table.repeat_interleave(self.width, dim=0)
-        head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
+        head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.kv_entry_shape[1]
 
         def meta(slots, positions, tables_, kv_heads):
             return decode_rows_meta(positions, slots, tables_, self.page_size, kv_heads, n)
@@ -150,7 +150,7 @@ class ChainGraphs(SpecGraphs):
         triton_follow.chain_rows(self, bs, n, shared)
         rows = bs * self.width
         row_table, table = self.row_tables[n][:rows], self.tables[n][:bs]
-        head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.num_kv_heads
+        head_kv, target_kv = self.head.config.model.num_kv_heads, self.target.config.kv_entry_shape[1]
 
         def meta(name, slots, kv_heads):
             tails = dict(tail_slots=self.row_tails[name][:rows], tail_lens=self.tail_lens[:rows],

@@ -377,7 +377,7 @@ class TreeGraphs(SpecGraphs):
         width = self.num_drafts + 1
         rows = nodes["verify_rows"] if "verify_rows" in nodes else self._verify_rows(bs, nodes)
         meta = self._rows_meta(n, nodes["slots"].reshape(-1), rows["seq_lens"], step_rows["verify_tables"],
-                               self.target.config.num_kv_heads, rows["tails"], rows["tail_lens"], per_seq=width,
+                               self.target.config.kv_entry_shape[1], rows["tails"], rows["tail_lens"], per_seq=width,
                                closed=True)
         hidden, captured = self.target(nodes["tokens"].reshape(-1), rows["positions"], meta, self.kv_cache,
                                        self.drafter.capture_layers)
