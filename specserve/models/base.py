@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel import TensorParallel
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.rotary import RotaryEmbedding
 
@@ -32,6 +33,11 @@ class CausalLM(Protocol):
     """Its architecture. The engine sizes the KV pool from it (`num_layers`, `num_kv_heads`, `head_dim`), the
     graphs and step programs their buffers (`hidden_size`, `num_kv_heads`), the loader checks the checkpoint
     against it (`tie_word_embeddings`, shard sizes) and training shapes a draft head like one of its layers."""
+
+    tp: TensorParallel
+    """This rank's place in its tensor-parallel group (one rank unless built with one). `config` stays the whole
+    model's; `distributed.parallel.rank_model_config(config, tp)` gives the heads this rank holds, which size its
+    KV pool. `compute_logits` returns the whole vocabulary on every rank."""
 
     stacked_params: ClassVar[StackedParams]
     """How the loader maps the checkpoint's separate projections into the model's fused ones."""
