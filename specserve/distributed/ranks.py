@@ -54,11 +54,16 @@ class RankGroup:
             while not self.closing:
                 for rank, proc in enumerate(self.workers, start=1):
                     if proc.poll() is not None and not self.closing:
-                        log.error("tensor-parallel rank %d exited (code %s); the engine stops", rank, proc.returncode)
-                        os._exit(1)
+                        self.fail(f"tensor-parallel rank {rank} exited (code {proc.returncode})")
                 time.sleep(WATCH_PERIOD_S)
 
         threading.Thread(target=run, daemon=True, name="tp-watchdog").start()
+
+    def fail(self, reason: str) -> None:
+        """Ends this process: a group with a missing rank can run no further step."""
+        log.error("%s; the engine stops", reason)
+        logging.shutdown()
+        os._exit(1)
 
     def close(self, timeout: float = 30.0) -> None:
         """Rank 0, after telling the workers to stop: waits for them and leaves the process group."""

@@ -36,7 +36,10 @@ class StepSender:
         self.channel = StepChannel(group.steps)
 
     def send(self, batch, publish: bool) -> None:
-        self.channel.send(encode(batch, publish))
+        try:
+            self.channel.send(encode(batch, publish))
+        except RuntimeError as exc:  # gloo's error for a peer that is gone
+            self.group.fail(f"a step could not reach the other ranks ({exc})")
 
     def replicas_agree(self, runner) -> bool:
         """Whether every rank holds the same replicated state as rank 0 (`fingerprint`): they accepted the same
