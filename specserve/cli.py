@@ -6,6 +6,7 @@ import sys
 
 from specserve.speculative import registry as speculative_registry
 from specserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig, SpecConfig
+from specserve.config import ROUTER_POLICIES, ScaleOutConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -193,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-read-timeout", type=float, default=30.0,
                        help="seconds a request's headers, then its body, may take to arrive; then the connection "
                             "is closed (a body gets a 408)")
+    serve.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=_at_least(1), default=1,
+                       help="run this many replica servers (one per --tp-size GPUs, or a share of the CPU cores "
+                            "each) behind the smg gateway on --host/--port (needs specserve[router])")
+    serve.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                       help="with --dp-size: smg's routing policy")
 
     gen = sub.add_parser("generate", help="generate offline from prompts given on the command line")
     add_engine_args(gen)
@@ -295,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and args.dp_size > 1:
+        return _serve_replicas(args, sys.argv[1:] if argv is None else argv)
     if args.command == "serve":
         from specserve import envs
         from specserve.server.launch import serve
@@ -338,6 +346,17 @@ def main(argv: list[str] | None = None) -> int:
 
         run_eval_draft(_target_config(args), args)
     return 0
+
+
+def _serve_replicas(args: argparse.Namespace, argv: list[str]) -> int:
+    from specserve import envs
+    from specserve.server.replicas import serve_replicas
+
+    server = ServerConfig(args.host, args.port, args.api_key or envs.get().api_key or None, args.served_model_name,
+                          shutdown_timeout=args.shutdown_timeout)
+    serve_argv = argv[argv.index("serve") + 1:]
+    return serve_replicas(server, ScaleOutConfig(args.dp_size, args.router_policy), serve_argv,
+                          on_cpu=_runs_on_cpu(args), gpus_per_replica=args.tp_size)
 
 
 def _sweep(args: argparse.Namespace) -> int:

@@ -309,3 +309,20 @@ class ServerConfig:
     # headers, then its body, may take to arrive.
     max_request_body_bytes: int = 4 * 1024 * 1024
     request_read_timeout: float = 30.0
+
+
+ROUTER_POLICIES = ("cache_aware", "power_of_two", "least_load", "round_robin", "random")
+
+
+@dataclass(frozen=True)
+class ScaleOutConfig:
+    """`specserve serve --dp-size N`: N replica servers behind the smg gateway (server/replicas.py)."""
+
+    dp_size: int = 1
+    router_policy: str = "cache_aware"  # smg's --policy: prefix-cache affinity, balanced by load
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}")
