@@ -1,5 +1,5 @@
 """Batch-1 (and batch-16/64) decode with speculation off, configured but idle, and drafting, on one GPU:
-Llama-3.1-8B shape with random bf16 weights.
+Llama-3.1-8B shape with random bf16 weights by default (`--model-path` takes another shipped config).
 
 Docs figures it reproduces: plain decode at batch 1 (tok/s and device ms a step); speculation at batch 1,
 EAGLE-3 chain and tree against plain, acceptance simulated (the chain 3 at tau 3, the top-4 tree of 16 tokens
@@ -169,12 +169,14 @@ def main() -> None:
                    help="after each setup's batch-1 run, list the kernels of its decode steps (torch.profiler)")
     p.add_argument("--host-profile", action="store_true",
                    help="profile the host (cProfile) in each setup's batch-1 run and keep its top functions")
+    p.add_argument("--model-path", default=BASE.model_path, help="a shipped config (random weights) or a checkpoint")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.setups[0] != "plain":
         p.error("the first setup must be plain: the others are reported against it")
     # Graphs are captured for the batch sizes the run asks for, not for all up to 256.
-    base = replace(BASE, scheduler=replace(BASE.scheduler, max_running_requests=max(args.batch_sizes)))
+    base = replace(BASE, model_path=args.model_path,
+                   scheduler=replace(BASE.scheduler, max_running_requests=max(args.batch_sizes)))
     rows = []
     for name in args.setups:
         spec, drafts = SETUPS[name]
@@ -189,7 +191,7 @@ def main() -> None:
         r["ratio_to_plain"] = r["decode_tok_s"] / plain[r["batch_size"]]
     report = {"benchmark": "spec_off_tax", "hardware": hardware_info(),
               "simulated": "the acceptance of the chain and tree rows",
-              "settings": {**vars(args), "model": "llama-3.1-8b dummy bf16, random EAGLE-3 head",
+              "settings": {**vars(args), "model": f"{args.model_path} dummy bf16, random EAGLE-3 head",
                            "max_running_requests": max(args.batch_sizes),
                            "gemv_decisions": envs.get().gemv_choices},
               "results": rows}
