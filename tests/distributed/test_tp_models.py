@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
 from specserve.layers.attention import AttentionMetadata
-from specserve.layers.parallel import whole_embedding
+from specserve.layers.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                       whole_embedding)
 from specserve.models.loader import build_model, read_model_config
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -111,6 +112,14 @@ def _checkpoint_tensor(path: Path, part: str) -> torch.Tensor:
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     with safe_open(str(path / index[name]), "pt") as f:
         return f.get_tensor(name)
+
+
+@pytest.mark.parametrize("kind", ["llama-mqa", "deepseek-v3-qlora"])
+def test_one_rank_builds_the_single_device_layers(checkpoints, kind):
+    cfg = read_model_config(checkpoints[kind])
+    model = build_model(cfg, None, torch.float32, torch.device("cpu"), 64, progress=False)
+    parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    assert not [name for name, module in model.named_modules() if isinstance(module, parallel)]
 
 
 def test_heads_that_do_not_split_are_refused(checkpoints):
