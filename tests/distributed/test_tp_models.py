@@ -182,3 +182,22 @@ def test_a_rank_reads_only_its_slices(checkpoints, monkeypatch):
     assert reads[f"{layer}.mlp.gate.weight"] == (cfg.moe.num_experts, hidden)  # the router, whole
     assert reads["model.embed_tokens.weight"] == (cfg.vocab_size // 2, hidden)
     assert reads["lm_head.weight"] == (cfg.vocab_size // 2, hidden)
+
+
+def test_pickled_weights_shard_as_safetensors_do(checkpoints, tmp_path):
+    """A .bin checkpoint comes whole and is cut in memory; each rank ends with the shards safetensors give."""
+    from safetensors.torch import load_file
+
+    src = checkpoints["llama-mqa"]
+    state = {}
+    for file in src.glob("*.safetensors"):
+        state.update(load_file(str(file)))
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    cfg = read_model_config(src)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        from_bin = build_model(cfg, tmp_path, torch.float32, torch.device("cpu"), 64, progress=False, tp=tp)
+        ours = build_model(cfg, src, torch.float32, torch.device("cpu"), 64, progress=False, tp=tp)
+        for (name, a), b in zip(from_bin.state_dict().items(), ours.state_dict().values()):
+            assert torch.equal(a, b), name
