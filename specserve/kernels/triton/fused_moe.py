@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.triton import moe_routing
+from specserve.kernels.triton import pdl as triton_pdl
+from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
 class Tile(NamedTuple):
@@ -36,10 +38,13 @@ DEFAULT_TILES = (Tile(), Tile())  # (gate-up GEMM, down GEMM)
 def _expert_gemm_kernel(A, W, C, SLOT_PAIRS, BLOCK_EXPERT, NUM_PAIRS, stride_am, stride_we, stride_wn, stride_cm,
                         N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATHER_A: tl.constexpr,
                         SCATTER_C: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """C[rows] = A[rows] @ W[expert, cols]^T for one block of slots; GATED: silu(A W_gate^T) * (A W_up^T), the up
     rows N further down W. Rows come from the pair in each slot: its token (GATHER_A) or the slot itself, and
     go to the pair (SCATTER_C) or the slot. Pad slots hold NUM_PAIRS and are neither read nor written."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     block = tl.program_id(0)
     expert = tl.load(BLOCK_EXPERT + block)
     if expert >= 0:
@@ -89,8 +94,8 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout's PyTorch form (`moe_routing.align`, one launch, is what the GEMMs take). Lays the token-expert pairs (pair p = token * k + j) out by expert, each expert's run padded to whole
-    blocks: returns (slot_pairs [num_blocks * block_m], the pair in each slot or T*k for a pad; block_expert
+    """The layout's PyTorch form (`moe_routing.align`, one launch, is what the GEMMs take). Lays the token-expert
+    pairs (pair p = token * k + j) out by expert, each expert's run padded to whole blocks: returns (slot_pairs [num_blocks * block_m], the pair in each slot or T*k for a pad; block_expert
     [num_blocks], each block's expert or -1 past the last). Within an expert, pairs keep token order. The
     number of blocks is the most any routing of this shape needs, so no count is read back."""
     pair_experts = topk_ids.reshape(-1)
@@ -140,4 +145,5 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, slot_pairs: torch.T
     _expert_gemm_kernel[(block_expert.numel(), triton.cdiv(n, tile.block_n))](
         a, w, c, slot_pairs, block_expert, num_pairs, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, K=w.shape[2], TOPK=topk, GATHER_A=gated, SCATTER_C=not gated, GATED=gated, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
+        **triton_pdl.launch_options(a))
