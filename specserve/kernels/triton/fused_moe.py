@@ -95,9 +95,10 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layout's PyTorch form (`moe_routing.align`, one launch, is what the GEMMs take). Lays the token-expert
-    pairs (pair p = token * k + j) out by expert, each expert's run padded to whole blocks: returns (slot_pairs [num_blocks * block_m], the pair in each slot or T*k for a pad; block_expert
-    [num_blocks], each block's expert or -1 past the last). Within an expert, pairs keep token order. The
-    number of blocks is the most any routing of this shape needs, so no count is read back."""
+    pairs (pair p = token * k + j) out by expert, each expert's run padded to whole blocks: returns (slot_pairs
+    [num_blocks * block_m], the pair in each slot or T*k for a pad; block_expert [num_blocks], each block's
+    expert or -1 past the last). Within an expert, pairs keep token order. The number of blocks is the most any
+    routing of this shape needs, so no count is read back."""
     pair_experts = topk_ids.reshape(-1)
     num_pairs, device = pair_experts.numel(), pair_experts.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
