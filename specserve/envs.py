@@ -63,6 +63,9 @@ class Switches:
     fused_follow: bool = _switch(
         True, "The inputs of rows that continue the last launch, derived in one Triton kernel on a GPU. Off: "
               "the PyTorch form the CPU runs.")
+    fused_moe: bool = _switch(
+        True, "MoE layers on a GPU in Triton: routing, the pairs' layout, the expert GEMMs and the weighted "
+              "sum. Off: the PyTorch forms (inside CUDA graphs each pair then gathers its expert's weights).")
     closed_tails: bool = _switch(
         True, "A verified tree's tails attended as one block, each row masked to its own path. Off: each "
               "row's tail apart.")

@@ -16,6 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from specserve import envs
 from specserve.kernels import pointwise
 
 
@@ -77,8 +78,12 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
-@functools.cache
 def _triton_moe():
+    return _triton_moe_module() if envs.get().fused_moe else None
+
+
+@functools.cache
+def _triton_moe_module():
     try:  # imported at the first GPU call: CPU-only runs never load Triton
         from specserve.kernels.triton import fused_moe
     except ImportError:
