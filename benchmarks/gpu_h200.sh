@@ -15,9 +15,13 @@
 #   smol        decode at batch 1 and 64 with SmolLM2-135M's shape
 #   gemv_ab     8B decode with the Triton GEMV off (cuBLAS for every matmul) and on
 #   agreement   bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py)
+#   moe         the MoE shapes (Qwen3-30B-A3B, Moonlight-16B-A3B; random bf16 weights route uniformly): decode at
+#               batch 1-32, and on the Qwen shape plain against a chain of 3 at simulated tau 3 (spec_off_tax.py)
+#   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep]
-#        [adaptsweep | chainadapt | treeadapt] [tax] [fp8head] [smol] [gemv_ab] [agreement] [decisions]
+#        [adaptsweep | chainadapt | treeadapt] [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
+#        [decisions]
 #        (none: all but decisions)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +118,19 @@ if want agreement; then
   else
     echo "agreement: SmolLM2 skipped, SMOLLM2_GGUF is not set"
   fi
+fi
+if want moe; then
+  for model in qwen3-30b-a3b moonlight-16b-a3b; do
+    python3 -m specserve.cli bench decode --device cuda --model-path $model --load-format dummy --dtype bfloat16 \
+      --context-length 2048 --prompt-len 512 --output-len 128 --repeats 2 --batch-sizes 1 8 32 --no-hf \
+      --chunked-prefill-size 16384 --out "$OUT/decode_${model//-/_}_h200.json"
+  done
+  python3 benchmarks/spec_off_tax.py --model-path qwen3-30b-a3b --batch-sizes 1 16 64 --output-len 64 --profile \
+    --setups plain "EAGLE-3 chain 3, simulated tau 3" --out "$OUT/spec_qwen3_30b_a3b_chain_h200.json"
+fi
+if want prefix; then
+  python3 benchmarks/prefix_cache_shared_system.py --model-path llama-3.1-8b --load-format dummy --device cuda \
+    --dtype bfloat16 --out "$OUT/prefix_cache_shared_system_h200.json"
 fi
 if [[ $modes == *" decisions "* ]]; then  # not part of "all": it remakes what ships, not a figure
   SPECSERVE_GEMV_CHOICES=none python3 benchmarks/gemv_decisions.py --out "$OUT/gemv_decisions_h200.json" \
