@@ -15,34 +15,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
-from specserve.layers.attention import AttentionMetadata
+from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.layers.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        whole_embedding)
 from specserve.models.loader import build_model, read_model_config
 from tiny_checkpoints import write_tiny_checkpoint
+from tp_forward import step_logits
 
 KINDS = ("llama", "llama-mqa", "qwen2", "qwen3-moe", "deepseek-v3", "deepseek-v3-qlora")
-PAGE, PROMPTS = 4, ([5, 17, 42, 8, 3], [9, 1, 250, 77, 31, 64, 12])
-
-
-def step_logits(path: Path, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of every row of a prompt step over two sequences, then of one decode row each."""
-    cfg = read_model_config(path)
-    model = build_model(cfg, path, torch.float32, torch.device("cpu"), 64, progress=False, tp=tp)
-    planes, heads, dim = rank_model_config(cfg, tp).kv_entry_shape
-    kv_cache = torch.zeros(cfg.num_layers, planes, 8 * PAGE, heads, dim)
-    tables = [[0, 1, 2], [3, 4, 5]]
-    lens = [len(p) for p in PROMPTS]
-    ids = torch.tensor([t for p in PROMPTS for t in p])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    meta = AttentionMetadata.build(lens, [0, 0], tables, PAGE, torch.device("cpu"))
-    with torch.no_grad():
-        prompt = model.compute_logits(model(ids, positions, meta, kv_cache)[0])
-        last = prompt[[lens[0] - 1, sum(lens) - 1]].argmax(-1)
-        meta = AttentionMetadata.build([1, 1], lens, tables, PAGE, torch.device("cpu"))
-        decode = model.compute_logits(model(last, torch.tensor(lens), meta, kv_cache)[0])
-    return prompt, decode
 
 
 def _rank(rank: int, size: int, init: str, paths: list[str], out: str) -> None:

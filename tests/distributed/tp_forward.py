@@ -1,0 +1,34 @@
+"""One prompt step and one decode step of a model built for one rank of a tensor-parallel group, run directly
+(attention metadata and a KV pool sized for the rank), for the tensor-parallel model tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specserve.distributed.parallel import TensorParallel, rank_model_config
+from specserve.layers.attention import AttentionMetadata
+from specserve.models.loader import build_model, read_model_config
+
+PAGE, PROMPTS = 4, ([5, 17, 42, 8, 3], [9, 1, 250, 77, 31, 64, 12])
+
+
+def step_logits(path: Path, tp: TensorParallel, device: torch.device = torch.device("cpu"),
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of every row of a prompt step over two sequences, then of one decode row each; returned
+    on the CPU."""
+    cfg = read_model_config(path)
+    model = build_model(cfg, path, dtype, device, 64, progress=False, tp=tp)
+    planes, heads, dim = rank_model_config(cfg, tp).kv_entry_shape
+    kv_cache = torch.zeros(cfg.num_layers, planes, 8 * PAGE, heads, dim, dtype=dtype, device=device)
+    tables = [[0, 1, 2], [3, 4, 5]]
+    lens = [len(p) for p in PROMPTS]
+    ids = torch.tensor([t for p in PROMPTS for t in p], device=device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    meta = AttentionMetadata.build(lens, [0, 0], tables, PAGE, device)
+    with torch.no_grad():
+        prompt = model.compute_logits(model(ids, positions, meta, kv_cache)[0])
+        last = prompt[[lens[0] - 1, sum(lens) - 1]].argmax(-1)
+        meta = AttentionMetadata.build([1, 1], lens, tables, PAGE, device)
+        decode = model.compute_logits(model(last, torch.tensor(lens, device=device), meta, kv_cache)[0])
+    return prompt.cpu(), decode.cpu()
