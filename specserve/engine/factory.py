@@ -15,12 +15,13 @@ import torch
 
 from specserve import envs
 from specserve.config import EngineConfig, ModelConfig, SpecConfig
+from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
 from specserve.distributed.ranks import RankGroup, agree_min, start_ranks
 from specserve.engine.engine import EngineCore
 from specserve.engine.futures import FutureTokens
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
-from specserve.engine.tp_worker import StepSender
+from specserve.engine.tp_worker import StepSender, TargetForDrafting
 from specserve.kv.pages import PageAllocator
 from specserve.kv.prefix import PrefixCache
 from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
@@ -131,10 +132,13 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
     max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)
     algorithm = speculative_registry.algorithm(config.spec.algorithm) if config.spec.algorithm else None
-    model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress)
+    tp = TensorParallel(ranks.rank, ranks.size) if ranks is not None else SINGLE
+    model = build_model(model_cfg, resolved.weights_dir, dtype, device, max_model_len, config.random_seed, progress,
+                        tp=tp)
+    rank_cfg = rank_model_config(model_cfg, tp)  # the heads this rank's KV pool holds
     draft = algorithm.load(config, model_cfg, dtype, device, max_model_len, progress) if algorithm else None
     page_size = config.cache.page_size
-    target_per_token = kv_bytes_per_token(model_cfg, dtype)
+    target_per_token = kv_bytes_per_token(rank_cfg, dtype)
     per_token = target_per_token + (algorithm.bytes_per_token(draft, dtype) if draft else 0)
     max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_running_requests)
     scratch = algorithm.target_scratch_slots(config, device, max_bs) if algorithm else 0
@@ -144,15 +148,15 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
     use_graphs = device.type == "cuda" and not config.disable_cuda_graph
     # With CUDA graphs or step programs, one extra page no request owns takes the KV of padded rows.
     pad_page = use_graphs or (algorithm is not None and algorithm.needs_pad_page(config, device))
-    kv_cache = allocate_kv_cache(model_cfg, (num_pages + pad_page) * page_size + scratch, dtype, device)
+    kv_cache = allocate_kv_cache(rank_cfg, (num_pages + pad_page) * page_size + scratch, dtype, device)
     num_slots = num_pages * page_size
     log.info("KV pool: %d tokens, %d bytes per token (the target's %s: %d)", num_slots, per_token,
              "latent" if model_cfg.mla else "keys and values", target_per_token)
     rng = random.Random(config.random_seed)  # simulated acceptance's draws, in program and general path alike
     speculator = None
     if algorithm is not None:
-        speculator = algorithm.build(config, draft, model, kv_cache, num_slots, max_bs, max_model_len, rng,
-                                     capture=use_graphs, progress=progress)
+        speculator = algorithm.build(config, draft, model if tp.size == 1 else TargetForDrafting(model), kv_cache,
+                                     num_slots, max_bs, max_model_len, rng, capture=use_graphs, progress=progress)
     adaptive = draft_plan(config.spec) if speculator is not None and config.spec.adaptive else None
     allocator = PageAllocator(num_pages, page_size)
     scheduler = Scheduler(config.scheduler, allocator, max_model_len, *_draft_hooks(config, speculator, adaptive),
@@ -178,7 +182,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
         if ranks.rank == 0:
             runner.step_sender = StepSender(ranks)
     if device.type == "cuda":
-        _warm_up_decode_kernel(model_cfg, kv_cache, page_size)
+        _warm_up_decode_kernel(rank_cfg, kv_cache, page_size)
         if proposer is not None:
             _warm_up_decode_kernel(proposer.drafter.attention_config, proposer.drafter.kv_cache, page_size)
     # On a CPU the "device" is the host itself, so overlapping would only cost the dropped tokens.
@@ -243,7 +247,7 @@ def draft_plan(spec: SpecConfig) -> AdaptivePlan | SglangTiers:
     """The adaptive plan that --speculative-policy names (docs/speculative.md)."""
     if spec.policy == "sglang-tiers":
         return SglangTiers(spec.num_steps, spec.max_drafts)
-    return AdaptivePlan(spec.max_drafts)
+    return AdaptivePlan(spec.max_drafts, chains=spec.chain_lengths, depth=spec.num_steps)
 
 
 def _draft_hooks(config: EngineConfig, speculator, adaptive: AdaptivePlan | SglangTiers | None) -> tuple:

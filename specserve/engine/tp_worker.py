@@ -24,8 +24,25 @@ import torch
 from specserve import envs
 from specserve.distributed.ranks import RankGroup, exit_with_parent, join_ranks
 from specserve.distributed.steps import AUDIT, STOP, StepChannel, decode, encode
+from specserve.layers.parallel import whole_embedding
 
 log = logging.getLogger(__name__)
+
+
+class TargetForDrafting:
+    """The target as the replicated EAGLE-3 head reads it under tensor parallelism: its embedding whole on every
+    rank (gathered once at startup), so drafting looks tokens up with no collective, level after level; the
+    forward and the logits are the sharded model's own (their collectives are the verification's)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.embed_tokens = whole_embedding(model.embed_tokens)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
 
 
 class StepSender:

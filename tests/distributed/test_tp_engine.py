@@ -46,6 +46,7 @@ def test_greedy_with_two_ranks_matches_transformers(kind, tiny_checkpoint):
     finally:
         closed(engine)
     assert ours == hf_reference(path)
+    assert engine.runner.model.tp.size == 2  # each rank holds its shard
     assert engine.scheduler.num_preemptions > 0 and _all_pages_back(engine)
 
 
