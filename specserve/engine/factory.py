@@ -247,7 +247,7 @@ def draft_plan(spec: SpecConfig) -> AdaptivePlan | SglangTiers:
     """The adaptive plan that --speculative-policy names (docs/speculative.md)."""
     if spec.policy == "sglang-tiers":
         return SglangTiers(spec.num_steps, spec.max_drafts)
-    return AdaptivePlan(spec.max_drafts, chains=spec.chain_lengths, depth=spec.num_steps)
+    return AdaptivePlan(spec.max_drafts)
 
 
 def _draft_hooks(config: EngineConfig, speculator, adaptive: AdaptivePlan | SglangTiers | None) -> tuple:
