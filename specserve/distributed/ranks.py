@@ -86,6 +86,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def start_ranks(size: int, device: torch.device, worker_payload: object) -> RankGroup:
     """Rank 0: starts ranks 1..size-1 with `worker_payload` (pickled to their stdin: what they build from) and
     joins the group with them."""
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"--tp-size {size} needs {size} GPUs, one per rank; {torch.cuda.device_count()} are visible")
     os.environ.update(NO_MULTICAST_ENV)
     init = f"tcp://127.0.0.1:{_free_port()}"
     payload = pickle.dumps(worker_payload)
