@@ -5,7 +5,15 @@ import argparse
 import sys
 
 from specserve.speculative import registry as speculative_registry
-from specserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig, SpecConfig
+from specserve.config import (
+    SPEC_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpecConfig,
+)
 from specserve.config import ROUTER_POLICIES, ScaleOutConfig
 
 
@@ -54,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "given it)")
     s.add_argument("--disable-speculative-adaptive", dest="speculative_adaptive", action="store_false",
                    help="draft in every decode step with no prompt pending")
+    s.add_argument("--speculative-policy", default=None, choices=SPEC_POLICIES,
+                   help="what the adaptive plan chooses (implies --speculative-adaptive): on-off (the default) "
+                        "drafts the configured shape or nothing; goodput also picks shorter chains by measured "
+                        "step cost and acceptance by draft position; sglang-tiers is SGLang's batch-size tiers "
+                        "with an acceptance EMA, a baseline")
     s.add_argument("--speculative-draft-model-quantization", default=None, choices=["fp8"],
                    help="EAGLE3: the head's projections in fp8, weight-only (half the bytes a draft step of at "
                         "most 16 rows reads; the output is still verified by the target)")
@@ -105,10 +118,10 @@ def spec_config(args: argparse.Namespace, bundled_head: bool = False) -> SpecCon
         topk = draft_heads.SMOLLM2_DEFAULT_TOPK if topk is None else topk
     adaptive = args.speculative_adaptive
     if adaptive is None:
-        adaptive = bundled_head
+        adaptive = bundled_head or args.speculative_policy is not None
     return SpecConfig(algorithm, head, 3 if steps is None else steps, 1 if topk is None else topk,
                       args.speculative_num_draft_tokens, args.speculative_simulate_accept_len, adaptive,
-                      args.speculative_draft_model_quantization)
+                      args.speculative_draft_model_quantization, args.speculative_policy or "on-off")
 
 
 def _runs_on_cpu(args: argparse.Namespace) -> bool:

@@ -215,6 +215,10 @@ class SchedulerConfig:
     max_queued_requests: int = 1024
 
 
+SPEC_POLICIES = ("on-off", "goodput", "sglang-tiers")
+SGLANG_TIER_STEPS = (1, 3, 5, 7)  # the draft steps SGLang's tiers may pick (speculative/tiers.py)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding; flag names and meanings follow SGLang's (--speculative-*).
@@ -240,6 +244,9 @@ class SpecConfig:
     # widen the weights first). Output stays the target's (every token is verified); what it may cost is
     # acceptance (docs/speculative.md).
     draft_model_quantization: str | None = None
+    # What the adaptive plan chooses (docs/speculative.md): "on-off" drafts the configured shape or nothing;
+    # "goodput" also picks shorter chains per step and request; "sglang-tiers" is SGLang's policy, a baseline.
+    policy: str = "on-off"
 
     def __post_init__(self) -> None:
         if self.simulate_accept_len is not None and (self.algorithm is None or self.simulate_accept_len < 1):
@@ -250,6 +257,8 @@ class SpecConfig:
             raise ValueError("--speculative-draft-model-quantization applies to an EAGLE3 head")
         if self.algorithm == "DRAFT_MODEL" and not self.draft_model_path:
             raise ValueError("--speculative-draft-model-path is required with DRAFT_MODEL")
+        if self.policy not in SPEC_POLICIES:
+            raise ValueError(f"--speculative-policy must be one of {', '.join(SPEC_POLICIES)}, got {self.policy!r}")
         if self.num_steps < 1 or self.eagle_topk < 1:
             raise ValueError("--speculative-num-steps and --speculative-eagle-topk must be at least 1")
         if self.num_draft_tokens is None or self.eagle_topk == 1:
@@ -263,6 +272,18 @@ class SpecConfig:
     @property
     def max_drafts(self) -> int:
         return self.num_draft_tokens - 1
+
+    @property
+    def chain_lengths(self) -> tuple[int, ...]:
+        """The chain lengths a step may take besides a tree: the configured chain alone, unless the policy picks
+        shorter ones (a tree server's chains go as deep as its steps, and are shorter than the tree)."""
+        depth = self.num_steps
+        if not self.adaptive or self.policy == "on-off":
+            return (depth,) if self.eagle_topk == 1 else ()
+        if self.policy == "goodput":
+            return tuple(range(1, depth + 1))
+        lengths = {min(s, depth) for s in SGLANG_TIER_STEPS}
+        return tuple(sorted(lengths if self.eagle_topk == 1 else lengths - {depth}))
 
 
 @dataclass(frozen=True)

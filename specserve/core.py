@@ -177,8 +177,11 @@ class Request:
     num_spec_steps: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
-    # For the adaptive draft plan (speculative/plan.py): drafting steps since this request last drafted.
+    # For the adaptive draft plan (speculative/plan.py): drafting steps since this request last drafted; and
+    # per draft position, how often a draft there was verified with all before it accepted, and was accepted.
     steps_since_drafting: int = 0
+    drafts_reached: list[int] = field(default_factory=list)
+    drafts_kept: list[int] = field(default_factory=list)
     # Structured output: the grammar state over the emitted tokens (structured.state.GrammarState, opaque
     # here), made at admission when params.constraint is set, dropped when the request finishes.
     grammar: object | None = None

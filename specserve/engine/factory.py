@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specserve import envs
-from specserve.config import EngineConfig, ModelConfig
+from specserve.config import EngineConfig, ModelConfig, SpecConfig
 from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
 from specserve.distributed.ranks import RankGroup, agree_min, start_ranks
 from specserve.engine.engine import EngineCore
@@ -30,6 +30,7 @@ from specserve.models.loader import build_model
 from specserve.models.registry import model_config
 from specserve.speculative import registry as speculative_registry
 from specserve.speculative.plan import AdaptivePlan
+from specserve.speculative.tiers import SglangTiers
 from specserve.structured.grammar import Grammars
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
     if algorithm is not None:
         speculator = algorithm.build(config, draft, model if tp.size == 1 else TargetForDrafting(model), kv_cache,
                                      num_slots, max_bs, max_model_len, rng, capture=use_graphs, progress=progress)
-    adaptive = AdaptivePlan(config.spec.max_drafts) if speculator is not None and config.spec.adaptive else None
+    adaptive = draft_plan(config.spec) if speculator is not None and config.spec.adaptive else None
     allocator = PageAllocator(num_pages, page_size)
     scheduler = Scheduler(config.scheduler, allocator, max_model_len, *_draft_hooks(config, speculator, adaptive),
                           prefix_cache=PrefixCache(allocator) if config.cache.enable_prefix_caching else None,
@@ -242,7 +243,14 @@ def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: 
         triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)
 
 
-def _draft_hooks(config: EngineConfig, speculator, adaptive: AdaptivePlan | None) -> tuple:
+def draft_plan(spec: SpecConfig) -> AdaptivePlan | SglangTiers:
+    """The adaptive plan that --speculative-policy names (docs/speculative.md)."""
+    if spec.policy == "sglang-tiers":
+        return SglangTiers(spec.num_steps, spec.max_drafts)
+    return AdaptivePlan(spec.max_drafts, chains=spec.chain_lengths, depth=spec.num_steps)
+
+
+def _draft_hooks(config: EngineConfig, speculator, adaptive: AdaptivePlan | SglangTiers | None) -> tuple:
     """The scheduler's draft plan, draft budget, step gate and follow gate (engine/scheduler.py): none without
     speculation; the adaptive plan's with --speculative-adaptive; else every step drafts the most it can."""
     max_drafts = config.spec.max_drafts

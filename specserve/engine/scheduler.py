@@ -163,6 +163,8 @@ class Scheduler:
         budget or pages short."""
         if self.draft_plan is None or self._prompt_work_pending():
             return None
+        if max(s.num_draft_tokens for s in previous.seqs) < self.max_draft_tokens:
+            return None  # `previous` took a shorter shape than the configured one (a draft plan's choice)
         if any(s.draft_start_pos + len(s.draft_catchup_ids) != s.start_pos + 1 for s in previous.seqs):
             return None
         rows = [(row, self.requests.get(s.request_id)) for row, s in enumerate(previous.seqs)]

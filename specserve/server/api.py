@@ -86,7 +86,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine, metrics: Metrics, model
                 "max_request_body_bytes": config.max_request_body_bytes,
                 "speculative_acceptance_simulated": simulated,
                 "spec": {"algorithm": spec.algorithm, "num_steps": spec.num_steps, "eagle_topk": spec.eagle_topk,
-                         "num_draft_tokens": spec.num_draft_tokens, "adaptive": spec.adaptive,
+                         "num_draft_tokens": spec.num_draft_tokens, "adaptive": spec.adaptive, "policy": spec.policy,
                          "simulate_accept_len": spec.simulate_accept_len},
                 # The names SGLang's /server_info gives them, which a gateway reads (server/gateway.py).
                 "served_model_name": model_name, "context_length": engine.context_length, "dp_size": 1,

@@ -29,6 +29,16 @@ same.
 A request held back from drafting is due to draft again after `probe_every` pure decode steps without
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
 request that started badly is re-tried, while one due request among many does not open the gate alone.
+
+Shapes (`--speculative-policy goodput`): besides the configured shape, chains of fewer drafts (`chains`). A
+drafting step takes the shape with the most tokens per second: each request's expected tokens from a chain
+of d drafts, 1 + Σ_{i<=d} Π_{j<=i} p_j, with p_j its acceptance at position j given all before were accepted
+(its own counts, drawn towards the recent requests' per position), over the shape's measured step cost. A
+shape not yet measured in a bucket is estimated from the plain step and the shapes measured there, as if a
+step's cost beyond a plain one's grew with its verified rows: optimistic for short chains, so they get tried,
+and their first two timed steps correct it. A configured tree counts at the request's mean acceptance length,
+as above. Each request then drafts the fewest of the step's drafts that keep all but a twentieth of
+a token it expects from them: a shorter row costs nothing less in the step, but takes fewer KV pages.
 """
 from __future__ import annotations
 
@@ -63,9 +73,18 @@ class AdaptivePlan:
     `drafting_pays` in steps with prompts; the engine reports step times to `observe_step` and verdicts to
     `observe_acceptance`."""
 
-    def __init__(self, max_drafts: int, config: AdaptiveConfig = AdaptiveConfig()) -> None:
+    def __init__(self, max_drafts: int, config: AdaptiveConfig = AdaptiveConfig(), chains: tuple[int, ...] = (),
+                 depth: int | None = None) -> None:
         self.max_drafts = max_drafts
         self.config = config
+        # Chain depths a drafting step may take besides the configured shape (none: on or off only).
+        self.chains = tuple(sorted(d for d in chains if d < max_drafts))
+        self.depth = depth or max_drafts  # of the configured shape: a chain's drafts, a tree's steps
+        self.shape = max_drafts  # the drafts of the shape this step takes
+        self.position_accept = [0.7] * self.depth  # the recent requests' acceptance at each position, optimistic
+        self.shape_cost: dict[tuple[int, int], float] = {}  # (drafts, bucket) -> seconds per step
+        self._shape_times: dict[tuple[int, int], deque[float]] = {}
+        self._last_shape: tuple[int, int] | None = None  # the shape and bucket of the last drafting step observed
         # Optimistic until measured, so that drafting is tried: half the drafts accepted.
         self.mean_accept_len = 1.0 + max_drafts / 2
         self.cost: dict[tuple[bool, int], float] = {}  # (drafts, bucket) -> seconds per step
@@ -94,10 +113,13 @@ class AdaptivePlan:
         # A step that drafts to measure (not because it pays) lets every request draft (break-even 0):
         # otherwise requests below the break-even would draft nothing, and nothing would be measured.
         self.break_even = 0.0
+        self.shape = self.max_drafts
         if self._unmeasured(False, size) or (self._unmeasured(True, size) and borrowed is None):
             # Measure what is missing: drafting first, unless a smaller batch already showed that it loses.
             choice = self._unmeasured(True, size) and borrowed is None
         else:
+            if self.chains and borrowed is None:
+                self.shape, draft = self._best_shape(requests, size, plain)
             gain = self._gain(requests, draft / plain)
             choice = self._probe(size, gain > 1, self._probe_interval(gain, draft, plain, size))
             if choice and gain > 1:
@@ -150,9 +172,62 @@ class AdaptivePlan:
 
     def num_drafts(self, request: Request) -> int:
         """A request drafts while it gains on its own, and now and then to learn whether it would again."""
-        if self._accept_len(request) > self.break_even or self._due(request):
-            return self.max_drafts
+        if self._tokens(request, self.shape) > self.break_even or self._due(request):
+            return self._request_drafts(request)
         return 0
+
+    def _request_drafts(self, request: Request) -> int:
+        """The step's shape, or on a chain the fewest drafts that keep nearly all the tokens it expects."""
+        if not self.chains or self._is_tree(self.shape):
+            return self.shape
+        full = self._chain_tokens(request, self.shape)
+        return next(d for d in range(1, self.shape + 1) if self._chain_tokens(request, d) >= full - 0.05)
+
+    # -- shapes -------------------------------------------------------------
+    def _tokens(self, request: Request, shape: int) -> float:
+        """Expected tokens of a step of `shape` drafts for the request: by position on a chain, where the plan
+        picks among shapes; else the request's mean acceptance length."""
+        if not self.chains or self._is_tree(shape):
+            return self._accept_len(request)
+        return self._chain_tokens(request, shape)
+
+    def _is_tree(self, shape: int) -> bool:
+        return shape == self.max_drafts and self.depth != self.max_drafts
+
+    def _chain_tokens(self, request: Request, depth: int) -> float:
+        """1 + Σ_{i<=depth} Π_{j<=i} p_j: the acceptance at each position given all before were accepted, the
+        request's own counts drawn towards the recent requests' as `_accept_len` draws its mean."""
+        prior, reached, kept = self.config.prior_steps, request.drafts_reached, request.drafts_kept
+        tokens, through = 1.0, 1.0
+        for j in range(depth):
+            seen = reached[j] if j < len(reached) else 0
+            hits = kept[j] if j < len(kept) else 0
+            through *= (hits + prior * self.position_accept[j]) / (seen + prior)
+            tokens += through
+        return tokens
+
+    def _best_shape(self, requests: list[Request], size: int, plain: float) -> tuple[int, float]:
+        """The shape with the most tokens per second for `requests`, and its step cost (measured or estimated)."""
+        best = None
+        for shape in (*self.chains, self.max_drafts):
+            cost = self._shape_cost(shape, size, plain)
+            break_even = cost / plain
+            tokens = sum(t if t > break_even else 1.0 for t in (self._tokens(r, shape) for r in requests))
+            rate = tokens / cost
+            if best is None or rate > best[0]:
+                best = (rate, shape, cost)
+        return best[1], best[2]
+
+    def _shape_cost(self, shape: int, size: int, plain: float) -> float:
+        """Measured, or estimated from the measured shapes of the bucket: a plain step plus a cost per verified
+        row (the configured shape's, or the nearest measured one's)."""
+        if (shape, size) in self.shape_cost:
+            return self.shape_cost[(shape, size)]
+        measured = [(d, c) for (d, b), c in self.shape_cost.items() if b == size]
+        if not measured:
+            measured = [(self.max_drafts, self.cost[(True, size)])]
+        drafts, cost = min(measured, key=lambda m: abs(m[0] - shape))
+        return plain + max(cost - plain, 0.0) * (shape + 1) / (drafts + 1)
 
     def _due(self, request: Request) -> bool:
         return request.steps_since_drafting > self.config.probe_every
@@ -160,8 +235,8 @@ class AdaptivePlan:
     def _gain(self, requests: list[Request], break_even: float) -> float:
         """Tokens per second of a drafting step over a plain one's, whose costs stand at `break_even`."""
         # A due request is hoped to do as well as recent requests, or as it did itself if that was better.
-        lengths = (max(self.mean_accept_len, self._accept_len(r)) if self._due(r) else self._accept_len(r)
-                   for r in requests)
+        lengths = (max(self.mean_accept_len, self._tokens(r, self.shape)) if self._due(r)
+                   else self._tokens(r, self.shape) for r in requests)
         tokens = sum(length if length > break_even else 1.0 for length in lengths)
         return tokens / (len(requests) * break_even)
 
@@ -226,12 +301,12 @@ class AdaptivePlan:
             extra = seconds - self.cost[key] - self.cost.get((False, self._observed[1]), 0.0)
             self.switch_cost[key[1]] = max(0.0, extra)
         if planned == key and self._streak >= 2:
-            times = self._times.setdefault(key, deque(maxlen=self.config.window))
-            times.append(seconds)
-            # Outliers only ever run long (a kernel built on first use, a collection, a busy machine), so the
-            # lower median: one slow step must not stop drafting until the next probe.
-            self.cost[key] = sorted(times)[(len(times) - 1) // 2]
+            self.cost[key] = _keep(self._times, key, seconds, self.config.window)
             self._samples[key] = self._samples.get(key, 0) + 1
+        shape = (self.shape, key[1]) if planned == key and drafted else None
+        if shape is not None and self.chains and self._last_shape == shape and self._streak >= 2:
+            self.shape_cost[shape] = _keep(self._shape_times, shape, seconds, self.config.window)
+        self._last_shape = shape
         self._observed = key if planned == key else None
         self._planned = None
 
@@ -243,9 +318,34 @@ class AdaptivePlan:
         """Called after the request's counters took this step in."""
         if drafted > 0:
             request.steps_since_drafting = 0
+        if self.chains:
+            self._count_positions(request, drafted, accepted)
         # Fewer drafts than planned: cut by the room the request has left, which caps its acceptance too. Such
         # steps end every request, all at once at the end of a wave of like requests, and would drag the
         # recent mean (the new requests' prior) under the break-even just as the next wave starts.
         if drafted >= self.max_drafts:
             weight = self.config.smoothing
             self.mean_accept_len = (1 - weight) * self.mean_accept_len + weight * (1.0 + accepted)
+
+    def _count_positions(self, request: Request, drafted: int, accepted: int) -> None:
+        """Per position: reached (all drafts before it accepted) and kept; the recent mean per position too. A
+        tree's accepted path counts as a chain of its depth, the configured one."""
+        depth = self.depth if drafted >= self.max_drafts else min(drafted, self.depth)
+        while len(request.drafts_reached) < depth:
+            request.drafts_reached.append(0)
+            request.drafts_kept.append(0)
+        weight = self.config.smoothing
+        for j in range(min(accepted + 1, depth)):
+            hit = j < accepted
+            request.drafts_reached[j] += 1
+            request.drafts_kept[j] += hit
+            self.position_accept[j] = (1 - weight) * self.position_accept[j] + weight * hit
+
+
+def _keep(store: dict, key, seconds: float, window: int) -> float:
+    """Adds a step time under `key`; returns the lower median of the latest `window`. Outliers only ever run
+    long (a kernel built on first use, a collection, a busy machine): one slow step must not stop drafting
+    until the next probe."""
+    times = store.setdefault(key, deque(maxlen=window))
+    times.append(seconds)
+    return sorted(times)[(len(times) - 1) // 2]

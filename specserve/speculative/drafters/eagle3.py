@@ -15,6 +15,7 @@ from specserve.speculative.base import Speculator
 from specserve.speculative.drafters.base import catch_up_meta, eagle3_catch_up, split_catch_up
 from specserve.speculative.programs.base import ProgramSetup
 from specserve.speculative.programs.chain import ChainGraphs
+from specserve.speculative.programs.shapes import ShapePrograms
 from specserve.speculative.programs.tree import TreeGraphs
 from specserve.speculative.search import TreeProposer, scratch_slots
 
@@ -112,7 +113,7 @@ class Eagle3:
 
     def needs_pad_page(self, config: EngineConfig, device: torch.device) -> bool:
         """Step programs write padded rows' KV to a page no request owns."""
-        return config.spec.eagle_topk == 1 or self._tree_program(config, device)
+        return bool(config.spec.chain_lengths) or self._tree_program(config, device)
 
     def build(self, config: EngineConfig, head: torch.nn.Module, target: torch.nn.Module, kv_cache: torch.Tensor,
               num_slots: int, max_bs: int, max_model_len: int, rng: random.Random, capture: bool,
@@ -130,15 +131,16 @@ class Eagle3:
         proposer = TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots, device)
         setup = ProgramSetup(num_slots, max_bs, max_model_len, page_size, spec.simulate_accept_len, rng, capture,
                              progress)
-        program = None
-        if spec.eagle_topk == 1:
-            program = ChainGraphs(target, drafter, kv_cache, spec.max_drafts, setup)
-        elif self._tree_program(config, device):
+        tree = None
+        if self._tree_program(config, device):
             # The target's scratch starts after its padding page, the head's after its padding slot.
             scratch = (num_slots + page_size, num_slots + 1)
-            program = TreeGraphs(target, drafter, kv_cache, spec.eagle_topk, spec.num_steps, spec.max_drafts,
-                                 scratch, setup)
-        return Speculator(proposer, program)
+            tree = TreeGraphs(target, drafter, kv_cache, spec.eagle_topk, spec.num_steps, spec.max_drafts,
+                              scratch, setup)
+        chains = {k: ChainGraphs(target, drafter, kv_cache, k, setup) for k in spec.chain_lengths}
+        if len(chains) + (tree is not None) > 1:  # the draft plan picks among shapes
+            return Speculator(proposer, ShapePrograms(chains, tree))
+        return Speculator(proposer, tree or next(iter(chains.values()), None))
 
     @staticmethod
     def _tree_program(config: EngineConfig, device: torch.device) -> bool:

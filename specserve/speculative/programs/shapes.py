@@ -1,0 +1,64 @@
+"""One step program per draft shape a draft plan may pick (speculative/plan.py, tiers.py).
+
+A chain program's cost follows its depth k (k draft passes, k + 1 verified rows per sequence), whatever each
+row's own limit, so a plan that picks shorter chains needs a program of each depth. A step runs the program of
+its deepest row: rows asking fewer drafts ride along with their own limits (the rows past a limit write to the
+padding slot and are never accepted). On a tree server, a row asking more drafts than the deepest chain takes
+the configured tree program (or, where there is none, the general search). Each program captures its own CUDA
+graphs, so every shape the plan can pick is covered.
+
+A step that follows the last launch on the device (`Scheduler.follow`) continues its program; the scheduler
+builds one only after a step of the configured shape.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.core import StepBatch
+
+
+class ShapePrograms:
+    """Chains of several depths and, on a tree server, the tree: the runner sees one StepProgram."""
+
+    def __init__(self, chains: dict, full=None) -> None:
+        self.chains = dict(sorted(chains.items()))  # depth -> ChainGraphs
+        self.full = full  # the configured tree program, if any
+        # The program launched last: its width is what the runner reports, and what a following step continues.
+        self.last = full if full is not None else self.chains[max(self.chains)]
+        self.width = self.last.width
+
+    def _pick(self, batch: StepBatch):
+        if batch.follow is not None:
+            return self.last
+        deepest = max(s.num_draft_tokens for s in batch.seqs)
+        if deepest <= max(self.chains):
+            return next(chain for depth, chain in self.chains.items() if depth >= deepest)
+        return self.full
+
+    def fits(self, batch: StepBatch) -> bool:
+        if not batch.seqs:
+            return False
+        program = self._pick(batch)
+        return program is not None and program.fits(batch)
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, timer) -> torch.Tensor:
+        program = self._pick(batch)
+        self.last, self.width = program, program.width
+        return program.launch(batch, timer)
+
+    @property
+    def last_packed(self) -> torch.Tensor:
+        """What the last launch left for a step that follows it (its program's)."""
+        return self.last.last_packed
+
+    @property
+    def last_root(self) -> torch.Tensor:
+        return self.last.last_root
+
+    @property
+    def num_runs(self) -> int:
+        return sum(p.num_runs for p in self._programs())
+
+    def _programs(self) -> list:
+        return [*self.chains.values(), *([self.full] if self.full is not None else [])]
