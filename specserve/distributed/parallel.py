@@ -27,10 +27,6 @@ class TensorParallel:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} is not in a group of size {self.size}")
 
-    @property
-    def is_parallel(self) -> bool:
-        return self.size > 1
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place; returns x."""
         if self.size > 1:
