@@ -45,6 +45,7 @@ class RankGroup:
     steps: object = None
     workers: list[subprocess.Popen] = field(default_factory=list)
     closing: bool = False
+    threads: int = 0  # the process's CPU threads before it joined (restored on close)
 
     def watch(self) -> None:
         """Rank 0: a worker that exits while the group is open ends this process too (exit code 1), so the
@@ -76,6 +77,8 @@ class RankGroup:
                 proc.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.threads:
+            torch.set_num_threads(self.threads)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -122,7 +125,10 @@ def join_ranks(rank: int, size: int, init: str, device: torch.device) -> RankGro
     else:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=IDLE_FOREVER)
         steps = dist.group.WORLD
-    return RankGroup(rank, size, device, steps)
+    group = RankGroup(rank, size, device, steps, threads=torch.get_num_threads())
+    if device.type == "cpu":  # the ranks share the host's cores; more threads than that only contend
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    return group
 
 
 def agree_min(group: RankGroup, value: int) -> int:

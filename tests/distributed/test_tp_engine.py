@@ -42,10 +42,10 @@ def test_greedy_with_two_ranks_matches_transformers(kind, tiny_checkpoint):
     prompts = make_prompts(512)
     engine = tp_engine(tight_config(str(path), max_total_tokens=160))
     try:
-        ours, _ = run_staggered(engine, prompts)
+        ours, _ = run_staggered(engine, prompts, max_tokens=12)
     finally:
         closed(engine)
-    assert ours == hf_reference(path)
+    assert ours == hf_reference(path, max_tokens=12)
     assert engine.runner.model.tp.size == 2  # each rank holds its shard
     assert engine.scheduler.num_preemptions > 0 and _all_pages_back(engine)
 
