@@ -149,6 +149,18 @@ async def run_poisson(client, prompts: list[BenchPrompt], rate: float, s: LoadSe
     return list(await asyncio.gather(*tasks))
 
 
+async def run_arrivals(client, prompts: list[BenchPrompt], arrivals: list[float], s: LoadSettings
+                       ) -> list[RequestResult]:
+    """Open loop: prompt i is sent `arrivals[i]` seconds after the start (a trace, as benchmarks/ replay)."""
+    start = time.perf_counter()
+
+    async def send(prompt, at):
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        return await _one(client, prompt, s)
+
+    return list(await asyncio.gather(*(send(p, at) for p, at in zip(prompts, arrivals))))
+
+
 def make_client(base_url: str, api_key: str | None, concurrency: int, timeout_s: float) -> openai.AsyncOpenAI:
     limits = httpx.Limits(max_connections=max(concurrency, 1) + 8, max_keepalive_connections=max(concurrency, 1) + 8)
     http = httpx.AsyncClient(limits=limits, timeout=timeout_s)
