@@ -121,16 +121,19 @@ def _as_list(prompts) -> list:
 
 _CACHE_FIELDS = {"page_size", "mem_fraction_static", "max_total_tokens", "enable_prefix_caching"}
 _SCHED_FIELDS = {"max_running_requests", "chunked_prefill_size", "max_queued_requests"}
+_PARALLEL_FIELDS = {"tp_size"}
 
 
 def _apply_overrides(config: EngineConfig, overrides: dict) -> EngineConfig:
     cache = {k: v for k, v in overrides.items() if k in _CACHE_FIELDS}
     sched = {k: v for k, v in overrides.items() if k in _SCHED_FIELDS}
     special = {"progress", "record_layers"}
-    top = {k: v for k, v in overrides.items() if k not in _CACHE_FIELDS | _SCHED_FIELDS | special}
+    parallel = {k: v for k, v in overrides.items() if k in _PARALLEL_FIELDS}
+    top = {k: v for k, v in overrides.items() if k not in _CACHE_FIELDS | _SCHED_FIELDS | _PARALLEL_FIELDS | special}
     return replace(
         config,
         cache=replace(config.cache, **cache),
         scheduler=replace(config.scheduler, **sched),
+        parallel=replace(config.parallel, **parallel),
         **top,
     )

@@ -8,8 +8,10 @@ from dataclasses import replace
 import pytest
 
 from specserve.config import ParallelConfig, SpecConfig
+from specserve.core import SamplingParams
 from specserve.distributed.ranks import NO_MULTICAST_ENV
 from specserve.engine.factory import build_engine_core
+from specserve.llm import LLM
 
 from engine_runs import hf_greedy, make_prompts, run_mixed_sampling, run_staggered, tight_config
 from tiny_checkpoints import write_peaked_random_head
@@ -50,16 +52,18 @@ def test_greedy_with_two_ranks_matches_transformers(kind, tiny_checkpoint):
     assert engine.scheduler.num_preemptions > 0 and _all_pages_back(engine)
 
 
-def test_every_rank_runs_with_nvlink_multicast_off(tiny_checkpoint):
-    engine = tp_engine(tight_config(str(tiny_checkpoint("llama", True)), max_total_tokens=160))
+def test_every_rank_runs_with_nvlink_multicast_off(tiny_chat_model):
+    """Through the offline API (`LLM(tp_size=2)`): the worker's environment has the multicast switches."""
+    llm = LLM(model=str(tiny_chat_model), tp_size=2, max_total_tokens=256, page_size=8)
     try:
-        worker = engine.runner.step_sender.group.workers[0]
+        out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+        worker = llm.engine.runner.step_sender.group.workers[0]
         with open(f"/proc/{worker.pid}/environ", "rb") as f:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
     finally:
-        closed(engine)
+        closed(llm.engine)
+    assert len(out.token_ids) == 4 and worker.returncode == 0
     assert {k: env.get(k.encode()) for k in NO_MULTICAST_ENV} == {k: v.encode() for k, v in NO_MULTICAST_ENV.items()}
-    assert worker.returncode == 0
 
 
 SHAPES = {"chain": dict(num_steps=3), "tree": dict(num_steps=4, eagle_topk=3, num_draft_tokens=9)}
