@@ -108,3 +108,16 @@ def test_sampled_rows_and_the_adaptive_plan_agree_on_every_rank(tmp_path, tiny_c
         closed(engine)
     reference = hf_reference(path, seed=4)
     assert agree and [out == ref for out, ref in zip(outputs, reference)][:2] == [True, True]
+
+
+def test_a_replicated_draft_model_with_two_ranks_is_lossless(tiny_checkpoint):
+    """A draft model (whole on every rank, unsharded) drafting trees for the sharded target."""
+    path = tiny_checkpoint("llama", True)
+    spec = SpecConfig("DRAFT_MODEL", str(path), 3, 2, 6)
+    engine = tp_engine(replace(tight_config(str(path), 200), spec=spec))
+    try:
+        outputs, _ = run_staggered(engine, make_prompts(512, seed=4))
+        agree = engine.runner.step_sender.replicas_agree(engine.runner)
+    finally:
+        closed(engine)
+    assert agree and outputs == hf_reference(path, seed=4)
