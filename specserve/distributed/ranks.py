@@ -139,6 +139,16 @@ def agree_min(group: RankGroup, value: int) -> int:
     return int(t.item())
 
 
+def rank0_value(group: RankGroup, value: object) -> object:
+    """Rank 0's `value` on every rank (startup decisions that must agree, such as kernel timings); a closed
+    group's own value."""
+    if group.closing or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group.steps)
+    return box[0]
+
+
 def exit_with_parent(parent: int) -> None:
     """Workers: end soon after the engine process (rank 0) is gone, whatever this process is blocked on."""
     def watch() -> None:

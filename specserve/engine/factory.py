@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -16,7 +17,7 @@ import torch
 from specserve import envs
 from specserve.config import EngineConfig, ModelConfig, SpecConfig
 from specserve.distributed.parallel import SINGLE, TensorParallel, rank_model_config
-from specserve.distributed.ranks import RankGroup, agree_min, start_ranks
+from specserve.distributed.ranks import RankGroup, agree_min, rank0_value, start_ranks
 from specserve.engine.engine import EngineCore
 from specserve.engine.futures import FutureTokens
 from specserve.engine.runner import ModelRunner
@@ -128,6 +129,10 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
         ranks = start_ranks(config.parallel.tp_size, device, (config, envs.get()))
     if ranks is not None:
         device = ranks.device
+        if device.type == "cuda":  # kernel choices timed at startup: every rank takes rank 0's
+            from specserve.kernels.tuning import chooser
+
+            chooser.choice.agree = functools.partial(rank0_value, ranks)
     dtype = pick_dtype(config, model_cfg, device)
     max_model_len = context_length(config, model_cfg)
     torch.manual_seed(config.random_seed)

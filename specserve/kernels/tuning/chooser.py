@@ -94,6 +94,9 @@ class Choice:
         self.best: dict[tuple, Tile | None] = {}
         self.timings: dict[tuple, dict[str, float]] = {}  # microseconds per call, for benchmarks to report
         self._timing_allowed = True
+        # Under tensor parallelism: each rank's timings -> the ones every rank decides by (rank 0's), so every rank
+        # runs the same kernel on its replicated weights (the draft head) and they stay bitwise equal.
+        self.agree = None
         # A decisions file, or "shipped" for this GPU's (read at the first decision, on the GPU it names; then
         # "shipped: NAME", or None where there are none); None: every shape is timed.
         self.saved = None if saved is None or saved.strip().lower() in NO_FILE else saved
@@ -184,6 +187,8 @@ class Choice:
                 times[name] = graph_time(fn, copies) * 1e3
             except triton.runtime.errors.OutOfResources:  # a tile too large for this form (two weight tiles)
                 continue
+        if self.agree is not None:
+            times = self.agree(times)
         self.timings[key] = times
         del copies
         return pick(times, tiles, self.cublas_margin)
