@@ -121,3 +121,34 @@ def test_a_replicated_draft_model_with_two_ranks_is_lossless(tiny_checkpoint):
     finally:
         closed(engine)
     assert agree and outputs == hf_reference(path, seed=4)
+
+
+def test_penalties_bias_seeds_and_logprobs_reach_every_rank(tmp_path, tiny_checkpoint):
+    """Requests whose settings the general path applies (penalties over their tokens, logit_bias, a seed,
+    logprobs), the target drafting for itself (its drafts are its raw argmax, which the adjusted logits reject
+    at times): every rank verifies with the same adjusted logits, so the ranks agree, and the output equals one
+    rank's."""
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
+                             presence_penalty=0.5, logit_bias={7: 5.0}),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=11, ignore_eos=True, frequency_penalty=0.3),
+              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)]
+    prompts = make_prompts(512, seed=6)[:3]
+    runs = []
+    for size in (1, 2):
+        path = tiny_checkpoint("llama", True)
+        config = replace(tight_config(str(path), 200), spec=SpecConfig("DRAFT_MODEL", str(path), 3, 2, 6),
+                         parallel=ParallelConfig(size))
+        engine, _ = build_engine_core(config, progress=False)
+        outputs = {str(i): [] for i in range(3)}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                engine.add_request(str(i), prompt, p)
+            while engine.has_work():
+                for delta in engine.step():
+                    outputs[delta.request_id] += delta.new_token_ids
+            runs.append(list(outputs.values()))
+            assert size == 1 or engine.runner.step_sender.replicas_agree(engine.runner)
+        finally:
+            if size == 2:
+                closed(engine)
+    assert runs[0] == runs[1] and all(len(out) == 16 for out in runs[1])
