@@ -94,7 +94,10 @@ def router_command(server: ServerConfig, scale: ScaleOutConfig, worker_urls: lis
             # Loopback probes cost nothing: notice a dead replica in seconds (smg's defaults suit remote
             # workers: a probe a minute), and keep the load it routes by fresh.
             "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
-            "--load-monitor-interval", "2", "--log-level", "warn"]
+            "--load-monitor-interval", "2",
+            # The replicas start together, so none is a newcomer whose cache needs a share of the traffic
+            # (smg's warm-up slice): a prefix goes where it is cached.
+            "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0", "--log-level", "warn"]
 
 
 def multi_machine_recipe(server: ServerConfig, scale: ScaleOutConfig, serve_argv: list[str]) -> str:
@@ -190,7 +193,8 @@ def serve_replicas(server: ServerConfig, scale: ScaleOutConfig, serve_argv: list
         raise SystemExit("specserve: --dp-size needs the smg gateway: pip install 'specserve[router]'") from None
     visible = visible_gpus(on_cpu, scale.dp_size * gpus_per_replica)
     stop_requested = []
-    previous = {sig: signal.signal(sig, lambda s, f: stop_requested.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, lambda s, f: stop_requested.append(s))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     replicas: list[_Child] = []
     router: list[_Child] = []
     try:

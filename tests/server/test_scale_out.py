@@ -190,3 +190,25 @@ def _replica_pid(launcher_pid: int, url: str):
         if "serve" in cmd and port in cmd:
             return child
     raise AssertionError(f"no replica on port {port}")
+
+
+@pytest.mark.gpu
+def test_each_replica_gets_a_gpu_of_its_own(smollm2_dir):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    port = free_port()
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(smollm2_dir), "--served-model-name",
+           MODEL, "--port", str(port), "--dp-size", "2", "--device", "cuda"]
+    launcher = subprocess.Popen(cmd, env={**os.environ, "SPECSERVE_API_KEY": KEY}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(lambda: _readiness(base).get("healthy_workers") == 2, launcher, 600)
+        gpus = {_replica_pid(launcher.pid, w["url"]).environ()["CUDA_VISIBLE_DEVICES"] for w in _workers(base)}
+        assert len(gpus) == 2
+        assert _client(base).completions.create(model=MODEL, prompt="Hi", max_tokens=4).usage.completion_tokens == 4
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
