@@ -132,6 +132,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
         if device.type == "cuda":  # kernel choices timed at startup: every rank takes rank 0's
             from specserve.kernels.tuning import chooser
 
+            # Rank 0's process may have decided shapes already (an engine built before this one): the others
+            # start from its decisions, so every rank times the same shapes from here on.
+            chooser.choice.best = rank0_value(ranks, chooser.choice.best)
             chooser.choice.agree = functools.partial(rank0_value, ranks)
     dtype = pick_dtype(config, model_cfg, device)
     max_model_len = context_length(config, model_cfg)
