@@ -8,6 +8,7 @@ the same collectives in the same order.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ STEP, STOP, AUDIT = 1, 2, 3
 # Words broadcast every step; a longer description (a large prompt batch) sends the rest in a second broadcast.
 CAPACITY = 4096
 _HEADER = 6  # op, length, page size, publish, sequences, follow length (-1: none)
+_SEQ_WORDS = 23  # each sequence's fixed fields (`encode`), before its lists
 _SEED_MOD = 2**63 - 1  # draw_seed works modulo this, so a seed's residue draws the same
 
 
@@ -73,31 +75,38 @@ def decode(words: list[int]) -> StepMessage:
     op, _, page_size, publish, num_seqs, follow_len = words[:_HEADER]
     if op != STEP:
         return StepMessage(op)
-    at = _HEADER
-
-    def take(n: int) -> list[int]:
-        nonlocal at
-        at += n
-        return words[at - n:at]
-
-    seqs = []
+    at, seqs = _HEADER, []
     for _ in range(num_seqs):
-        (n_tok, start, n_pages, sample, has_sample_seed, sample_seed, drafts, draft_start, n_catch, output_index,
-         num_prompt, n_history, temperature, top_p, top_k, min_p, has_seed, seed, logprobs, presence, frequency,
-         repetition, n_bias) = take(23)
-        token_ids, page_ids, catch_up = take(n_tok), take(n_pages), take(n_catch)
-        history = take(n_history) if n_history >= 0 else None
-        bias = [take(2) for _ in range(n_bias)]
-        params = SamplingParams(
-            max_tokens=None, temperature=_float(temperature), top_p=_float(top_p), top_k=top_k, min_p=_float(min_p),
-            seed=seed if has_seed else None, logprobs=None if logprobs < 0 else logprobs,
-            presence_penalty=_float(presence), frequency_penalty=_float(frequency),
-            repetition_penalty=_float(repetition), logit_bias=tuple((t, _float(b)) for t, b in bias))
+        head = words[at:at + _SEQ_WORDS]
+        n_tok, start, n_pages, sample, has_sample_seed, sample_seed, drafts, draft_start, n_catch = head[:9]
+        output_index, num_prompt, n_history, n_bias = head[9], head[10], head[11], head[22]
+        at += _SEQ_WORDS
+        token_ids, page_ids = words[at:at + n_tok], words[at + n_tok:at + n_tok + n_pages]
+        at += n_tok + n_pages
+        catch_up = words[at:at + n_catch]
+        at += n_catch
+        history = None
+        if n_history >= 0:
+            history, at = words[at:at + n_history], at + n_history
+        params = _params(tuple(head[12:22]), tuple(words[at:at + 2 * n_bias]))
+        at += 2 * n_bias
         seqs.append(ScheduledSeq("", token_ids, start, page_ids, params, bool(sample),
                                  sample_seed if has_sample_seed else None, drafts, draft_start, catch_up, history,
                                  num_prompt, output_index))
-    follow = take(follow_len) if follow_len >= 0 else None
+    follow = words[at:at + follow_len] if follow_len >= 0 else None
     return StepMessage(STEP, StepBatch(seqs, page_size, follow), bool(publish))
+
+
+@functools.lru_cache(maxsize=4096)
+def _params(words: tuple[int, ...], bias: tuple[int, ...]) -> SamplingParams:
+    """The sampling settings of a description's words; requests mostly share a few, so each is built once."""
+    temperature, top_p, top_k, min_p, has_seed, seed, logprobs, presence, frequency, repetition = words
+    return SamplingParams(
+        max_tokens=None, temperature=_float(temperature), top_p=_float(top_p), top_k=top_k, min_p=_float(min_p),
+        seed=seed if has_seed else None, logprobs=None if logprobs < 0 else logprobs,
+        presence_penalty=_float(presence), frequency_penalty=_float(frequency),
+        repetition_penalty=_float(repetition),
+        logit_bias=tuple((bias[i], _float(bias[i + 1])) for i in range(0, len(bias), 2)))
 
 
 class StepChannel:
