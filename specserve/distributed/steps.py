@@ -45,6 +45,15 @@ def _optional(x: int | None) -> list[int]:
     return [0, 0] if x is None else [1, x % _SEED_MOD]
 
 
+@functools.lru_cache(maxsize=4096)
+def _settings(p: SamplingParams) -> tuple[list[int], list[int]]:
+    """A request's sampling settings as words (its fixed fields, then its bias pairs); computed once per settings."""
+    fixed = [_bits(p.temperature), _bits(p.top_p), p.top_k, _bits(p.min_p), *_optional(p.seed),
+             -1 if p.logprobs is None else p.logprobs, _bits(p.presence_penalty), _bits(p.frequency_penalty),
+             _bits(p.repetition_penalty), len(p.logit_bias)]
+    return fixed, [w for token, bias in p.logit_bias for w in (token, _bits(bias))]
+
+
 def encode(batch: StepBatch | None, publish: bool = False, op: int = STEP) -> list[int]:
     """The words of one message (`decode` reads them back)."""
     if batch is None:
@@ -52,20 +61,17 @@ def encode(batch: StepBatch | None, publish: bool = False, op: int = STEP) -> li
     follow = batch.follow
     words = [op, 0, batch.page_size, int(publish), len(batch.seqs), -1 if follow is None else len(follow)]
     for s in batch.seqs:
-        p = s.params
         history = s.history[: s.start_pos + len(s.token_ids)] if s.history is not None else None
         words += [len(s.token_ids), s.start_pos, len(s.page_ids), int(s.sample), *_optional(s.sample_seed),
                   s.num_draft_tokens, s.draft_start_pos, len(s.draft_catchup_ids), s.output_index,
-                  s.num_prompt_tokens, -1 if history is None else len(history),
-                  _bits(p.temperature), _bits(p.top_p), p.top_k, _bits(p.min_p), *_optional(p.seed),
-                  -1 if p.logprobs is None else p.logprobs, _bits(p.presence_penalty), _bits(p.frequency_penalty),
-                  _bits(p.repetition_penalty), len(p.logit_bias)]
+                  s.num_prompt_tokens, -1 if history is None else len(history)]
+        settings, bias = _settings(s.params)
+        words += settings
         words += s.token_ids
         words += s.page_ids
         words += s.draft_catchup_ids
         words += history or ()
-        for token, bias in p.logit_bias:
-            words += [token, _bits(bias)]
+        words += bias
     words += follow or ()
     words[1] = len(words)
     return words
