@@ -22,6 +22,7 @@ from specserve.config import ScaleOutConfig, ServerConfig
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_RESTART_DELAY_MAX_S = 60.0
 _STARTUP_TIMEOUT_S = 1800.0  # a large model takes a while to load on every GPU at once
 _KEY_ENV = "SPECSERVE_API_KEY"  # envs.api_key's variable: children read the key there, out of `ps`
 # The router process: smg's own launcher, with the key appended from the environment so that it is not on
@@ -38,6 +39,10 @@ class _Child:
     name: str
     proc: subprocess.Popen
     url: str
+    cmd: list[str]
+    env: dict[str, str]
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead replica is due to start again
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -139,8 +144,11 @@ def _own_session_dying_with_parent() -> None:
 
 
 def _spawn(name: str, cmd: list[str], env: dict[str, str], url: str) -> _Child:
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_own_session_dying_with_parent)
-    return _Child(name, proc, url)
+    return _Child(name, _popen(cmd, env), url, cmd, env)
+
+
+def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, preexec_fn=_own_session_dying_with_parent)
 
 
 def _healthy(url: str) -> bool:
@@ -185,7 +193,7 @@ def _stop(children: list[_Child], timeout: float) -> None:
 def serve_replicas(server: ServerConfig, scale: ScaleOutConfig, serve_argv: list[str], on_cpu: bool,
                    gpus_per_replica: int = 1) -> int:
     """Runs until SIGTERM/SIGINT: the router drains first, then the replicas (each its own drain). Exits
-    non-zero when the router dies or every replica has: one replica's death only takes it out of routing."""
+    non-zero when the router dies; a replica that dies is out of routing until it has been started again."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         import smg  # noqa: F401
@@ -223,18 +231,22 @@ def serve_replicas(server: ServerConfig, scale: ScaleOutConfig, serve_argv: list
 
 
 def _watch(router: _Child, replicas: list[_Child], stopping) -> int:
-    reported: set[str] = set()
+    """Until a stop is asked: a replica that exits is started again on its port (smg's health checks take it
+    out of routing meanwhile and back in once it answers), after a delay that doubles with each restart up
+    to a minute, so one that cannot start does not spin. smg's exit ends the launch."""
     while not stopping():
         if router.proc.poll() is not None:
             log.error("smg exited with status %s; stopping the replicas", router.proc.returncode)
             return 1
+        now = time.monotonic()
         for replica in replicas:
-            if replica.proc.poll() is not None and replica.name not in reported:
-                reported.add(replica.name)
-                log.warning("%s (%s) exited with status %s; smg routes to the others", replica.name,
-                            replica.url, replica.proc.returncode)
-        if len(reported) == len(replicas):
-            log.error("every replica has exited")
-            return 1
+            if replica.restart_at is None and replica.proc.poll() is not None:
+                delay = min(_RESTART_DELAY_MAX_S, 2.0 ** replica.restarts)
+                replica.restart_at = now + delay
+                log.warning("%s (%s) exited with status %s; smg routes to the others; restarting it in %.0f s",
+                            replica.name, replica.url, replica.proc.returncode, delay)
+            elif replica.restart_at is not None and now >= replica.restart_at:
+                replica.proc, replica.restart_at = _popen(replica.cmd, replica.env), None
+                replica.restarts += 1
         time.sleep(_POLL_S)
     return 0

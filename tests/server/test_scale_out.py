@@ -144,7 +144,7 @@ def test_streaming_key_and_bad_input_behave_as_with_one_server(gateway):
 def test_killing_a_replica_under_load_loses_no_request(gateway):
     """50 requests in flight, half streaming; one replica is killed. A request ends in an error only if its
     stream had begun; the others complete (smg retries them on the other replica), none hangs, and new
-    requests succeed while the router's health shows one replica left."""
+    requests succeed while the router's health shows one replica left, until the replica is back."""
     base, launcher = gateway
     client = _client(base, timeout=90)
     stream_began = [float("inf")] * 50  # when the response's head arrived
@@ -179,6 +179,9 @@ def test_killing_a_replica_under_load_loses_no_request(gateway):
     for i in range(4):
         assert client.completions.create(model=MODEL, prompt=f"after {i}", max_tokens=3).choices[0].text is not None
     assert launcher.poll() is None, "one replica's death must not stop the launcher"
+    # The launcher starts the replica again on its port, and smg's health checks take it back.
+    _wait_for(lambda: _readiness(base).get("healthy_workers") == 2, launcher, 180)
+    assert _replica_pid(launcher.pid, victim).is_running()
 
 
 def _replica_pid(launcher_pid: int, url: str):
