@@ -43,3 +43,13 @@ def test_scale_out_config_refuses_what_smg_cannot_do():
         ScaleOutConfig(0)
     with pytest.raises(ValueError):
         ScaleOutConfig(2, "fastest")
+
+
+def test_without_the_router_extra_dp_size_says_what_to_install(monkeypatch):
+    import sys
+
+    from specserve.server.replicas import serve_replicas
+
+    monkeypatch.setitem(sys.modules, "smg", None)  # import smg raises ImportError
+    with pytest.raises(SystemExit, match=r"specserve\[router\]"):
+        serve_replicas(ServerConfig(), ScaleOutConfig(2), [], on_cpu=True)
