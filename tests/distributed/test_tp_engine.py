@@ -76,14 +76,18 @@ def _spec_engine(tmp_path, tiny_checkpoint, shape: str, **spec):
     return tp_engine(replace(tight_config(str(path), 200), spec=spec)), path
 
 
-@pytest.mark.parametrize("shape,program,overlap", [("chain", True, False), ("chain", True, True),
-                                                   ("tree", True, True), ("tree", False, False)])
-def test_speculation_with_two_ranks_is_lossless(tmp_path, tiny_checkpoint, switches, shape, program, overlap):
-    """The chain and tree programs (overlapped: each drafting step follows the one in flight on the device) and
-    the general tree search: HF's output, and every rank accepted what rank 0 accepted (their replicated head
-    KV, taps and program state are identical)."""
+@pytest.mark.parametrize("shape,program,overlap,policy", [
+    ("chain", True, False, None), ("chain", True, True, None), ("tree", True, True, None),
+    ("tree", False, False, None), ("tree", True, True, "goodput")])
+def test_speculation_with_two_ranks_is_lossless(tmp_path, tiny_checkpoint, switches, shape, program, overlap,
+                                                policy):
+    """The chain and tree programs (overlapped: each drafting step follows the one in flight on the device), the
+    general tree search, and the goodput policy choosing among chains and the tree per step: HF's output, and
+    every rank accepted what rank 0 accepted (their replicated head KV, taps and program state are identical)."""
     switches(tree_program_on_cpu=program)
-    engine, path = _spec_engine(tmp_path, tiny_checkpoint, shape)
+    spec = dict(adaptive=True, policy=policy) if policy else {}
+    engine, path = _spec_engine(tmp_path, tiny_checkpoint, shape, **spec)
+    assert not policy or len(engine.runner.program.chains) > 1  # chains of several depths beside the tree
     engine.overlap = overlap
     prompts = make_prompts(512, seed=4)
     try:
