@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from specserve import envs
 from specserve.config import ScaleOutConfig, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _RESTART_DELAY_MAX_S = 60.0
 _STARTUP_TIMEOUT_S = 1800.0  # a large model takes a while to load on every GPU at once
-_KEY_ENV = "SPECSERVE_API_KEY"  # envs.api_key's variable: children read the key there, out of `ps`
+_KEY_ENV = envs.env_name("api_key")  # children read the key there, out of `ps`
 # The router process: smg's own launcher, with the key appended from the environment so that it is not on
 # the command line (`ps` shows the arguments a process was started with, not what it changes them to).
 _ROUTER_MAIN = ("import os, sys\n"

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from server_process import free_port
+from specserve import envs
 
 pytest.importorskip("smg", reason="the smg gateway is the optional `router` extra")
 
@@ -30,7 +31,7 @@ SYSTEM = ("You are a careful assistant for a shipping company. Answer in one sho
 @pytest.fixture(scope="module")
 def gateway(smollm2_dir):
     port = free_port()
-    env = {**os.environ, "SPECSERVE_API_KEY": KEY}
+    env = {**os.environ, envs.env_name("api_key"): KEY}
     cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(smollm2_dir), "--served-model-name",
            MODEL, "--port", str(port), "--dp-size", "2", "--max-total-tokens", "8192", "--shutdown-timeout", "5"]
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -204,7 +205,7 @@ def test_each_replica_gets_a_gpu_of_its_own(smollm2_dir):
     port = free_port()
     cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(smollm2_dir), "--served-model-name",
            MODEL, "--port", str(port), "--dp-size", "2", "--device", "cuda"]
-    launcher = subprocess.Popen(cmd, env={**os.environ, "SPECSERVE_API_KEY": KEY}, stdout=subprocess.DEVNULL,
+    launcher = subprocess.Popen(cmd, env={**os.environ, envs.env_name("api_key"): KEY}, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
