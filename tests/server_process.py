@@ -16,25 +16,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(base: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Polls `base`/health until it answers 200 (or `timeout` passes); fails at once if the server exits."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, "the server exited before it was healthy"
+        time.sleep(0.1)
+
+
 @contextmanager
 def live_server(*serve_args: str):
     """`specserve serve` in its own process group on a free port; yields its base URL once /health is 200."""
-    import httpx
-
     port = free_port()
     cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), *serve_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None
-        time.sleep(0.1)
     try:
+        wait_until_healthy(base, proc)
         yield base
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

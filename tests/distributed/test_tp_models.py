@@ -19,8 +19,7 @@ from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.layers.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        whole_embedding)
 from specserve.models.loader import build_model, read_model_config
-from tiny_checkpoints import write_tiny_checkpoint
-from tp_forward import step_logits
+from tp_forward import sharded_checkpoints, step_logits
 
 KINDS = ("llama", "llama-mqa", "qwen2", "qwen3-moe", "deepseek-v3", "deepseek-v3-qlora")
 
@@ -48,11 +47,7 @@ def _replicated_parts(path: Path, tp: TensorParallel) -> dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    paths = {}
-    for kind in KINDS:
-        paths[kind] = tmp_path_factory.mktemp(f"tp-{kind}")
-        write_tiny_checkpoint(kind, paths[kind], sharded=True)
-    return paths
+    return sharded_checkpoints(tmp_path_factory, KINDS, "tp")
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import torch.multiprocessing as mp
 
 from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.distributed.ranks import NO_MULTICAST_ENV
-from tiny_checkpoints import write_tiny_checkpoint
-from tp_forward import step_logits
+from tp_forward import sharded_checkpoints, step_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -38,11 +37,7 @@ def _rank(rank: int, size: int, init: str, paths: list[str], out: str) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    paths = {}
-    for kind in KINDS:
-        paths[kind] = tmp_path_factory.mktemp(f"tp-gpu-{kind}")
-        write_tiny_checkpoint(kind, paths[kind], sharded=True)
-    return paths
+    return sharded_checkpoints(tmp_path_factory, KINDS, "tp-gpu")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from specserve.core import SamplingParams
 from specserve.distributed.ranks import WORKER_MODULE
 from specserve.llm import LLM
 
-from server_process import free_port, live_server
+from server_process import free_port, live_server, wait_until_healthy
 
 MODEL = "tiny-tp"
 PROMPT = "The capital of France is"
@@ -94,15 +94,7 @@ def test_a_dead_rank_takes_the_server_down_cleanly(tiny_chat_model):
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None
-            time.sleep(0.1)
+        wait_until_healthy(base, proc)
         family = _descendants(proc.pid)
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "temperature": 0.0, "stream": True,
                 "ignore_eos": True}

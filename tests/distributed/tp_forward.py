@@ -9,6 +9,7 @@ import torch
 from specserve.distributed.parallel import TensorParallel, rank_model_config
 from specserve.layers.attention import AttentionMetadata
 from specserve.models.loader import build_model, read_model_config
+from tiny_checkpoints import write_tiny_checkpoint
 
 PAGE, PROMPTS = 4, ([5, 17, 42, 8, 3], [9, 1, 250, 77, 31, 64, 12])
 
@@ -32,3 +33,12 @@ def step_logits(path: Path, tp: TensorParallel, device: torch.device = torch.dev
         meta = AttentionMetadata.build([1, 1], lens, tables, PAGE, device)
         decode = model.compute_logits(model(last, torch.tensor(lens, device=device), meta, kv_cache)[0])
     return prompt.cpu(), decode.cpu()
+
+
+def sharded_checkpoints(tmp_path_factory, kinds: tuple[str, ...], prefix: str) -> dict[str, Path]:
+    """A tiny checkpoint of each kind, saved as several safetensors files with an index."""
+    paths = {}
+    for kind in kinds:
+        paths[kind] = tmp_path_factory.mktemp(f"{prefix}-{kind}")
+        write_tiny_checkpoint(kind, paths[kind], sharded=True)
+    return paths
