@@ -49,7 +49,7 @@ def build_model(
     elif tp.size == 1:
         _load_weights(model, iter_checkpoint(model_dir), progress)
     else:
-        _load_weights(model, iter_checkpoint_slices(model_dir), progress, tp)
+        _load_weights(model, iter_checkpoint(model_dir, slices=True), progress, tp)
     model.eval().requires_grad_(False)
     if norms_go_in_weights(device, dtype):
         _move_norm_weights(model)
@@ -101,33 +101,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(model_dir: Path, slices: bool = False) -> Iterator[tuple[str, object]]:
+    """(name, tensor) of every checkpoint tensor. With `slices`, safetensors' tensors come not yet read, so a
+    rank reads only its rows or columns (`_read_slice`); a pickled checkpoint's come whole either way."""
     for path in checkpoint_files(model_dir):
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name) if slices else f.get_tensor(name)
         else:
             # Pickled checkpoints can run code on load; weights_only refuses anything but tensors.
-            yield from torch.load(path, map_location="cpu", weights_only=True).items()
-
-
-def iter_checkpoint_slices(model_dir: Path) -> Iterator[tuple[str, object]]:
-    """(name, a tensor not yet read) for safetensors, whose rows or columns can be read alone (`_read_slice`);
-    a pickled checkpoint's tensors come whole."""
-    for path in checkpoint_files(model_dir):
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_slice(name)
-        else:
             yield from torch.load(path, map_location="cpu", weights_only=True).items()
 
 
 def _load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, object]], progress: bool,
                   tp: TensorParallel = SINGLE) -> None:
     """Copies each checkpoint tensor into its parameter: whole, or under tensor parallelism (`weights` then
-    from `iter_checkpoint_slices`) only this rank's shard of it."""
+    from `iter_checkpoint(..., slices=True)`) only this rank's shard of it."""
     cfg = _model_config(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
