@@ -5,7 +5,8 @@ plain decoding, static chains, SGLang's tiers and the adaptive plans (on-off and
 
 It reports per setting the goodput (output tokens per second from the first arrival to the last answer) and
 p50 / p99 TPOT over requests. One server at a time, in a fixed order: on a shared machine, compare settings of
-one run, never across runs. Writes JSON to benchmarks/results.
+one run, never across runs, and repeat in reverse order (`--reverse`) so that a drifting machine shows.
+Writes JSON to benchmarks/results.
 
 Docs figure it reproduces: the CPU bursty trace in docs/speculative.md (`bursty_cpu.json`), with
 
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="the deepest chain (the bundled head's default: 5)")
     parser.add_argument("--only", nargs="+", help="run only these settings (names as in the output)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="run the settings in reverse order (a second run so drift lands on both ends)")
     parser.add_argument("--port", type=int, default=30571)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "bursty_cpu.json"))
@@ -105,7 +108,8 @@ def main() -> None:
     questions = mt_bench_first_turns()
     prompts = [questions[i % len(questions)] for i in range(len(trace))]
     rows = []
-    for name, flags in settings(args.steps).items():
+    order = list(settings(args.steps).items())
+    for name, flags in reversed(order) if args.reverse else order:
         if args.only and name not in args.only:
             continue
         rows.append(run_setting(name, flags, extra, prompts, trace, args))

@@ -184,3 +184,29 @@ def test_goodput_shapes_are_lossless_with_real_acceptance(smollm2_dir):
     assert engine.scheduler.allocator.num_used == 0
     assert len(set(drafted) - {0}) >= 2, sorted(set(drafted))
     assert sorted(engine.runner.program.chains) == [1, 2, 3] and engine.runner.program.num_runs > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk,num_draft_tokens", [(1, None), (2, 6)])
+def test_every_shape_replays_captured_graphs_losslessly(tiny_checkpoint, tmp_path, topk, num_draft_tokens):
+    """On a GPU with CUDA graphs and overlap: the draft plan picks depths 0..3 at random step to step (and the
+    tree on a tree server), every chain depth runs from its own captured graphs, and greedy output equals
+    HF's."""
+    from engine_runs import hf_greedy
+
+    path = tiny_checkpoint("llama", True)
+    write_peaked_random_head(path, tmp_path)
+    prompts = make_prompts(512, seed=6)
+    spec = SpecConfig("EAGLE3", str(tmp_path), 3, topk, num_draft_tokens, adaptive=True, policy="goodput")
+    engine, _ = build_engine_core(replace(tight_config(str(path), 400), device="cuda", spec=spec), progress=False)
+    engine.overlap = True
+    rng = random.Random(0)
+    most = engine.scheduler.max_draft_tokens
+    engine.scheduler.draft_plan = lambda request: rng.choice([0, 1, 2, 3, most])
+    program = engine.runner.program
+    depths = _watch_depths(program)
+    outputs, _ = run_staggered(engine, prompts)
+    assert outputs == hf_greedy(path, prompts, "cuda")
+    assert {1, 2, 3} <= set(depths)
+    assert all(chain.graphs for chain in program.chains.values())
+    assert engine.scheduler.allocator.num_used == 0
