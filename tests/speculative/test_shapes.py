@@ -210,3 +210,21 @@ def test_every_shape_replays_captured_graphs_losslessly(tiny_checkpoint, tmp_pat
     assert {1, 2, 3} <= set(depths)
     assert all(chain.graphs for chain in program.chains.values())
     assert engine.scheduler.allocator.num_used == 0
+
+
+def test_the_policy_flag_turns_the_adaptive_plan_on_and_names_it():
+    from specserve.cli import build_parser, engine_config
+    from specserve.engine.factory import draft_plan
+
+    def spec_of(*argv):
+        return engine_config(build_parser().parse_args(["serve", "--speculative-algorithm", "EAGLE3",
+                                                        "--speculative-draft-model-path", "head", *argv])).spec
+
+    assert spec_of().adaptive is False and spec_of().policy == "on-off"
+    tiers = spec_of("--speculative-policy", "sglang-tiers")
+    assert tiers.adaptive and isinstance(draft_plan(tiers), SglangTiers)
+    goodput = spec_of("--speculative-policy", "goodput", "--speculative-num-steps", "4")
+    assert goodput.adaptive and draft_plan(goodput).chains == (1, 2, 3)
+    assert not spec_of("--speculative-policy", "goodput", "--disable-speculative-adaptive").adaptive
+    with pytest.raises(ValueError, match="speculative-policy"):
+        SpecConfig("EAGLE3", "head", policy="greedy")
