@@ -19,8 +19,6 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.triton import moe_routing
-from specserve.kernels.triton import pdl as triton_pdl
-from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
 class Tile(NamedTuple):
@@ -38,13 +36,10 @@ DEFAULT_TILES = (Tile(), Tile())  # (gate-up GEMM, down GEMM)
 def _expert_gemm_kernel(A, W, C, SLOT_PAIRS, BLOCK_EXPERT, NUM_PAIRS, stride_am, stride_we, stride_wn, stride_cm,
                         N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATHER_A: tl.constexpr,
                         SCATTER_C: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[rows] = A[rows] @ W[expert, cols]^T for one block of slots; GATED: silu(A W_gate^T) * (A W_up^T), the up
     rows N further down W. Rows come from the pair in each slot: its token (GATHER_A) or the slot itself, and
     go to the pair (SCATTER_C) or the slot. Pad slots hold NUM_PAIRS and are neither read nor written."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     block = tl.program_id(0)
     expert = tl.load(BLOCK_EXPERT + block)
     if expert >= 0:
@@ -146,5 +141,4 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, slot_pairs: torch.T
     _expert_gemm_kernel[(block_expert.numel(), triton.cdiv(n, tile.block_n))](
         a, w, c, slot_pairs, block_expert, num_pairs, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, K=w.shape[2], TOPK=topk, GATHER_A=gated, SCATTER_C=not gated, GATED=gated, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
-        **triton_pdl.launch_options(a))
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)

@@ -10,19 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.triton import pdl as triton_pdl
-from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
-
 MAX_PAIRS = 4096  # token-expert pairs the one-launch layout takes; above, the PyTorch form
 
 
 @triton.jit
 def _softmax_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+                         RENORMALIZE: tl.constexpr):
     """One token: softmax over its E router logits in fp32, then the K largest, largest first."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     token = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     logits = tl.load(LOGITS + token * stride_l + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
@@ -51,22 +45,18 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if tokens:
         _softmax_topk_kernel[(tokens,)](router_logits, weights, ids, router_logits.stride(0), E=experts,
-                                        E_POW2=triton.next_power_of_2(experts), K=top_k, RENORMALIZE=renormalize,
-                                        **triton_pdl.launch_options(router_logits))
+                                        E_POW2=triton.next_power_of_2(experts), K=top_k, RENORMALIZE=renormalize)
     return weights, ids
 
 
 @triton.jit
 def _align_kernel(IDS, SLOT_PAIRS, BLOCK_EXPERT, SCRATCH, NUM_PAIRS, NUM_BLOCKS, NUM_SLOTS, E: tl.constexpr,
                   E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, SLOTS: tl.constexpr,
-                  BLOCKS: tl.constexpr, PDL: tl.constexpr):
+                  BLOCKS: tl.constexpr):
     """One program lays every pair out (see `align`); PAIRS, SLOTS and BLOCKS are powers of two at least the
     counts. SCRATCH [3, E_POW2] int32: per-expert counts, the cursor each expert's next pair takes, and each
     expert's first slot. Phases are separated by block-wide barriers, so each reads what the whole program wrote
     before it."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     experts = tl.arange(0, E_POW2)
     counts_at, cursor_at, starts_at = SCRATCH + experts, SCRATCH + E_POW2 + experts, SCRATCH + 2 * E_POW2 + experts
     tl.store(counts_at, tl.zeros([E_POW2], tl.int32))
@@ -114,17 +104,13 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
                         num_blocks * block_m, E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m,
                         PAIRS=max(16, triton.next_power_of_2(num_pairs)),
                         SLOTS=triton.next_power_of_2(num_blocks * block_m),
-                        BLOCKS=max(64, triton.next_power_of_2(num_blocks)), num_warps=8,
-                        **triton_pdl.launch_options(topk_ids))
+                        BLOCKS=max(64, triton.next_power_of_2(num_blocks)), num_warps=8)
     return slot_pairs, block_expert
 
 
 @triton.jit
-def _weighted_sum_kernel(PAIR_OUT, WEIGHTS, OUT, H, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _weighted_sum_kernel(PAIR_OUT, WEIGHTS, OUT, H, K: tl.constexpr, BLOCK: tl.constexpr):
     """One token's columns: the sum over its K pairs, in order, of weight * output, in fp32."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -143,6 +129,5 @@ def weighted_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor, dtype: torc
     block = 1024
     if tokens:
         _weighted_sum_kernel[(tokens, triton.cdiv(hidden, block))](pair_out.contiguous(), topk_weights.contiguous(),
-                                                                   out, hidden, K=k, BLOCK=block,
-                                                                   **triton_pdl.launch_options(out))
+                                                                   out, hidden, K=k, BLOCK=block)
     return out
