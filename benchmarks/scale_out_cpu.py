@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from specserve.distributed.ranks import free_port
+
 RESULTS = Path(__file__).parent / "results"
 # The launcher of `serve --dp-size`, callable for one replica too (the CLI runs a plain server for 1).
 _LAUNCH = ("import sys\n"
@@ -31,14 +33,6 @@ _LAUNCH = ("import sys\n"
            "from specserve.server.replicas import serve_replicas\n"
            "sys.exit(serve_replicas(ServerConfig(port=int(sys.argv[1]), shutdown_timeout=5), "
            "ScaleOutConfig(int(sys.argv[2])), sys.argv[3:], on_cpu=True))\n")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(base: str, replicas: int, proc: subprocess.Popen, timeout: float = 600) -> None:

@@ -3,17 +3,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specserve.distributed.ranks import free_port
 
 
 def wait_until_healthy(base: str, proc: subprocess.Popen, timeout: float = 180) -> None:

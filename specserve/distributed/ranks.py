@@ -91,8 +91,7 @@ def start_ranks(size: int, device: torch.device, worker_payload: object) -> Rank
     joins the group with them."""
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"--tp-size {size} needs {size} GPUs, one per rank; {torch.cuda.device_count()} are visible")
-    os.environ.update(NO_MULTICAST_ENV)
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     payload = pickle.dumps(worker_payload)
     env = {**os.environ, **NO_MULTICAST_ENV}
     workers = []
@@ -159,7 +158,8 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now (for a rendezvous, a replica or a router to listen on)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -11,7 +11,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 
 from specserve import envs
 from specserve.config import ScaleOutConfig, ServerConfig
+from specserve.distributed.ranks import free_port
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ class _Child:
     env: dict[str, str]
     restarts: int = 0
     restart_at: float | None = None  # when a dead replica is due to start again
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def replica_env(index: int, dp_size: int, gpus_per_replica: int, visible: list[str] | None,
