@@ -17,12 +17,15 @@
 #   agreement   bf16 greedy output with and without speculation, token for token (benchmarks/spec_agreement.py)
 #   moe         the MoE shapes (Qwen3-30B-A3B, Moonlight-16B-A3B; random bf16 weights route uniformly): decode at
 #               batch 1-32, and on the Qwen shape plain against a chain of 3 at simulated tau 3 (spec_off_tax.py)
+#   policy3     issue 47's shape-choice set at simulated tau 3 / 4 (policy3a, policy3b: its halves); policy1: at tau 1
+#   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep]
-#        [adaptsweep | chainadapt | treeadapt] [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
+#        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [tp1] [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
 #        [decisions]
-#        (none: all but decisions)
+#        (none: all but decisions and tp1)
+#        WAVES_MODEL=qwen3-30b-a3b WAVES_TAG=qwen3_30b SWEEP_LOW=1 SWEEP_HIGH=10,30,100,250: the MoE waves
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -44,14 +47,17 @@ if want decode; then
     --out "$OUT/decode_gpu_8b_eager.json"
 fi
 # The offline waves: random 512-token prompts, 256 output tokens, 8B shape with random bf16 weights.
-waves=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048
+# WAVES_MODEL (default the 8B shape) and WAVES_TAG name the model of the waves and their files.
+WAVES_MODEL=${WAVES_MODEL:-llama-3.1-8b}
+WAVES_TAG=${WAVES_TAG:-8b}
+waves=(--device cuda --model-path "$WAVES_MODEL" --load-format dummy --dtype bfloat16 --context-length 2048
        --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
        --ignore-eos --quiet)
 chain=(--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-simulate-accept-len 3.0)
 tree=(--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4
       --speculative-num-draft-tokens 16 --speculative-simulate-accept-len 4.0)
 # sweep NAME FLAGS...: C = 1, 2, 5 (8 prompts each), then C = 10-250 in a second process, joined into
-# $OUT/offline_8b_NAME.jsonl. SWEEP_LOW and SWEEP_HIGH replace the two lists (empty: that part is skipped).
+# $OUT/offline_${WAVES_TAG}_NAME.jsonl. SWEEP_LOW and SWEEP_HIGH replace the two lists (empty: that part is skipped).
 SWEEP_LOW=${SWEEP_LOW-1,2,5}
 SWEEP_HIGH=${SWEEP_HIGH-10,30,70,100,250}
 sweep() {
@@ -63,7 +69,7 @@ sweep() {
   if [[ -n $SWEEP_HIGH ]]; then
     python3 -m specserve.cli bench "${waves[@]}" "$@" --concurrency "$SWEEP_HIGH" --out "$OUT/${name}_c10.jsonl"
   fi
-  cat "$OUT/${name}"_c1.jsonl "$OUT/${name}"_c10.jsonl 2>/dev/null > "$OUT/offline_8b_${name}.jsonl"
+  cat "$OUT/${name}"_c1.jsonl "$OUT/${name}"_c10.jsonl 2>/dev/null > "$OUT/offline_${WAVES_TAG}_${name}.jsonl"
   rm -f "$OUT/${name}"_c1*.*
 }
 if want sweep; then
@@ -81,6 +87,34 @@ if want adaptsweep || want chainadapt; then
 fi
 if want adaptsweep || want treeadapt; then
   sweep tree_adaptive "${tree[@]}" --speculative-adaptive --label "EAGLE-3 tree 4/5/16 adaptive (simulated tau 4)"
+fi
+# Issue 47's set: static chains of 1, 3 and 5 drafts (simulated tau 3), the static tree (tau 4), the goodput plan
+# configured for the tree, and SGLang's batch-size tiers; then at simulated tau 1 (every draft rejected) the
+# static chain of 3 and the goodput plan, for the step's cost and the zero tax. Too long for one call: run
+# `policy3` and `policy1` apart (policy3a / policy3b split the tau 3 set further).
+goodput=(--speculative-policy goodput)
+if want policy3 || want policy3a; then
+  sweep chain1 --speculative-algorithm EAGLE3 --speculative-num-steps 1 --speculative-simulate-accept-len 3.0 \
+    --label "EAGLE-3 chain 1 (simulated tau 3)"
+  sweep chain "${chain[@]}" --label "EAGLE-3 chain 3 (simulated tau 3)"
+  sweep chain5 --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-simulate-accept-len 3.0 \
+    --label "EAGLE-3 chain 5 (simulated tau 3)"
+fi
+if want policy3 || want policy3b; then
+  sweep tree "${tree[@]}" --label "EAGLE-3 tree 4/5/16 (simulated tau 4)"
+  sweep tree_goodput "${tree[@]}" "${goodput[@]}" --label "EAGLE-3 tree 4/5/16 goodput plan (simulated tau 4)"
+  sweep tree_tiers "${tree[@]}" --speculative-policy sglang-tiers --label "EAGLE-3 tree 4/5/16 SGLang tiers (simulated tau 4)"
+fi
+if want policy1; then
+  tau1=(--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-simulate-accept-len 1.0)
+  sweep chain_tau1 "${tau1[@]}" --label "EAGLE-3 chain 3 (simulated tau 1)"
+  sweep chain_tau1_goodput "${tau1[@]}" "${goodput[@]}" --label "EAGLE-3 chain 3 goodput plan (simulated tau 1)"
+fi
+# Issue 50's check that --tp-size 1 costs nothing: this tree against a copy of the package from before tensor
+# parallelism, interleaved in one call (benchmarks/compare_revisions.py). TP_BASE: that copy, made with
+#   git archive ab5dc3e^ specserve ':!specserve/draft_heads/*/*.safetensors' | tar -x -C TP_BASE
+if [[ $modes == *" tp1 "* ]]; then  # only when named: it needs TP_BASE
+  python3 benchmarks/compare_revisions.py --base "${TP_BASE:?TP_BASE: a copy of the package before TP}" --out "$OUT"
 fi
 if want tax; then
   python3 benchmarks/spec_off_tax.py --profile --host-profile --out "$OUT/spec_off_tax_h200.json"
