@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF directory, .gguf file, or a shipped config name (e.g. llama-3.1-8b with "
                         "--load-format dummy). Default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--tokenizer-path", default=None,
+                   help="a directory with the tokenizer (tokenizer.json, its config and chat template). Default: "
+                        "the model's; a shipped config with --load-format dummy has none")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--context-length", type=int, default=None)
@@ -81,6 +84,7 @@ def engine_config(args: argparse.Namespace, bundled_head: bool = False) -> Engin
     return EngineConfig(
         model_path=args.model_path,
         load_format=args.load_format,
+        tokenizer_path=args.tokenizer_path,
         dtype=args.dtype,
         device=args.device,
         context_length=args.context_length,

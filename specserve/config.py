@@ -302,6 +302,7 @@ class ParallelConfig:
 class EngineConfig:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    tokenizer_path: str | None = None  # None: the model's own directory
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None

@@ -81,9 +81,22 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     config_file = path if path.is_file() else path / "config.json"
     model_cfg = model_config(json.loads(config_file.read_text()))
     model_dir = config_file.parent
-    has_tokenizer = (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()
     weights_dir = None if config.load_format == "dummy" else model_dir
-    return ResolvedModel(name, model_cfg, config_file, weights_dir, model_dir if has_tokenizer else None)
+    return ResolvedModel(name, model_cfg, config_file, weights_dir, _tokenizer_dir(config, model_dir))
+
+
+def _tokenizer_dir(config: EngineConfig, model_dir: Path) -> Path | None:
+    """`--tokenizer-path` if given (it must hold a tokenizer), else the model's directory if it holds one."""
+    tokenizer_dir = Path(config.tokenizer_path).expanduser() if config.tokenizer_path else model_dir
+    if _has_tokenizer(tokenizer_dir):
+        return tokenizer_dir
+    if config.tokenizer_path:
+        raise FileNotFoundError(f"--tokenizer-path {tokenizer_dir} holds no tokenizer.json or tokenizer_config.json")
+    return None
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
 
 
 def _converted(gguf_path: Path, config: EngineConfig) -> Path:
