@@ -67,8 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft in every decode step with no prompt pending")
     s.add_argument("--speculative-policy", default=None, choices=SPEC_POLICIES,
                    help="what the adaptive plan chooses (implies --speculative-adaptive): on-off (the default) "
-                        "drafts the configured shape or nothing; goodput also picks shorter chains by measured "
-                        "step cost and acceptance by draft position; sglang-tiers is SGLang's batch-size tiers "
+                        "drafts the configured shape or nothing; goodput also picks shorter chains and smaller "
+                        "trees by measured step cost and acceptance by draft position, and prunes trees by "
+                        "their draft scores; sglang-tiers is SGLang's batch-size tiers "
                         "with an acceptance EMA, a baseline")
     s.add_argument("--speculative-draft-model-quantization", default=None, choices=["fp8"],
                    help="EAGLE3: the head's projections in fp8, weight-only (half the bytes a draft step of at "

@@ -285,6 +285,31 @@ class SpecConfig:
         lengths = {min(s, depth) for s in SGLANG_TIER_STEPS}
         return tuple(sorted(lengths if self.eagle_topk == 1 else lengths - {depth}))
 
+    @property
+    def tree_sizes(self) -> tuple[tuple[int, int], ...]:
+        """(drafts, search levels) of each tree a step may take, largest (the configured tree) first; none on a
+        chain server. Under the goodput policy, smaller trees too: each halves the last one's token budget and
+        levels. The budget sets the verify's rows and the levels its draft passes, so each size roughly halves
+        what a step adds to a plain one, and best-first selection keeps a small budget near the root anyway.
+        Top-k stays: k children per node cost one fed row each, and let a small budget take the likeliest
+        nodes wherever they are. A size stops the ladder once it has no more drafts than the deepest chain (a
+        tree of d drafts verifies what a chain of d does; the plan's pruning shrinks a request's tree
+        further), and at most three sizes are kept, each a program to capture on a GPU."""
+        if self.eagle_topk == 1:
+            return ()
+        sizes = [(self.max_drafts, self.num_steps)]
+        if not self.adaptive or self.policy != "goodput":
+            return tuple(sizes)
+        tokens, levels = self.num_draft_tokens, self.num_steps
+        while len(sizes) < 3:
+            tokens, levels = tokens // 2, -(-levels // 2)
+            most = self.eagle_topk + (levels - 1) * self.eagle_topk**2
+            drafts = min(tokens - 1, most)
+            if drafts <= max(self.chain_lengths, default=0):
+                break
+            sizes.append((drafts, levels))
+        return tuple(sizes)
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

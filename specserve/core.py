@@ -182,6 +182,8 @@ class Request:
     steps_since_drafting: int = 0
     drafts_reached: list[int] = field(default_factory=list)
     drafts_kept: list[int] = field(default_factory=list)
+    # The same counts for each tree size it drafted, by depth: tree drafts -> (reached, kept).
+    tree_positions: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     # Structured output: the grammar state over the emitted tokens (structured.state.GrammarState, opaque
     # here), made at admission when params.constraint is set, dropped when the request finishes.
     grammar: object | None = None
@@ -246,6 +248,10 @@ class ScheduledSeq:
     # The output index of the token this step samples first: a seeded request draws output i with
     # draw_seed(seed, i), and a speculative step one such draw per position it verifies.
     output_index: int = 0
+    # Drafts whose draft probability (their path's, the product down from the root) falls below this are
+    # pruned from the request's tree: they would not pay for their verify row (speculative/plan.py). Only the
+    # general search prunes; a step program's shapes are fixed.
+    draft_min_prob: float = 0.0
     # The request's grammar state (Request.grammar) where it samples under a constraint: masks for this step's
     # rows are read from it, and it is not advanced during the step.
     grammar: object | None = None

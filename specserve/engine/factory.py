@@ -30,7 +30,7 @@ from specserve.layers.attention import decode_kernel_takes
 from specserve.models.loader import build_model
 from specserve.models.registry import model_config
 from specserve.speculative import registry as speculative_registry
-from specserve.speculative.plan import AdaptivePlan
+from specserve.speculative.plan import AdaptivePlan, expert_reads
 from specserve.speculative.tiers import SglangTiers
 from specserve.structured.grammar import Grammars
 
@@ -178,11 +178,12 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
     if algorithm is not None:
         speculator = algorithm.build(config, draft, model if tp.size == 1 else TargetForDrafting(model), kv_cache,
                                      num_slots, max_bs, max_model_len, rng, capture=use_graphs, progress=progress)
-    adaptive = draft_plan(config.spec) if speculator is not None and config.spec.adaptive else None
+    adaptive = draft_plan(config.spec, model_cfg) if speculator is not None and config.spec.adaptive else None
     allocator = PageAllocator(num_pages, page_size)
     scheduler = Scheduler(config.scheduler, allocator, max_model_len, *_draft_hooks(config, speculator, adaptive),
                           prefix_cache=PrefixCache(allocator) if config.cache.enable_prefix_caching else None,
-                          draft_lead=speculator.proposer.drafter.shift if speculator is not None else 0)
+                          draft_lead=speculator.proposer.drafter.shift if speculator is not None else 0,
+                          draft_prune=_draft_prune(config, adaptive))
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     proposer = speculator.proposer if speculator is not None else None
     futures = FutureTokens(config.scheduler.max_running_requests, device)
@@ -264,11 +265,21 @@ def _warm_up_decode_kernel(cfg: ModelConfig, kv_cache: torch.Tensor, page_size: 
         triton_attention.warm_up(cfg.num_heads, kv_cache[0], page_size)
 
 
-def draft_plan(spec: SpecConfig) -> AdaptivePlan | SglangTiers:
-    """The adaptive plan that --speculative-policy names (docs/speculative.md)."""
+def draft_plan(spec: SpecConfig, model_cfg: ModelConfig | None = None) -> AdaptivePlan | SglangTiers:
+    """The adaptive plan that --speculative-policy names (docs/speculative.md), weighing a MoE target's expert
+    reads in its cost estimates."""
     if spec.policy == "sglang-tiers":
         return SglangTiers(spec.num_steps, spec.max_drafts)
-    return AdaptivePlan(spec.max_drafts, chains=spec.chain_lengths, depth=spec.num_steps)
+    return AdaptivePlan(spec.max_drafts, chains=spec.chain_lengths, depth=spec.num_steps, trees=spec.tree_sizes,
+                        experts=expert_reads(model_cfg) if model_cfg is not None else None)
+
+
+def _draft_prune(config: EngineConfig, adaptive):
+    """The goodput plan's pruning of draft trees by their scores. Not with tensor parallelism: the step
+    descriptions sent to the other ranks do not carry it, and every rank must search the same trees."""
+    if isinstance(adaptive, AdaptivePlan) and adaptive.choosing and config.parallel.tp_size == 1:
+        return adaptive.draft_min_prob
+    return None
 
 
 def _draft_hooks(config: EngineConfig, speculator, adaptive: AdaptivePlan | SglangTiers | None) -> tuple:

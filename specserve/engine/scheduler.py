@@ -35,6 +35,7 @@ class Scheduler:
         follow_gate: Callable[[list[Request]], bool] | None = None,
         prefix_cache: PrefixCache | None = None,
         draft_lead: int = 0,
+        draft_prune: Callable[[Request], float] | None = None,
     ) -> None:
         self.config = config
         self.prefix_cache = prefix_cache
@@ -52,6 +53,9 @@ class Scheduler:
         # only if the batch they join is to draft (speculative/plan.py); None: the gate's last answer decides.
         self.follow_gate = follow_gate
         self.max_draft_tokens = max_draft_tokens
+        # The draft probability a drafting request's tree nodes need to be verified (speculative/plan.py);
+        # None: no pruning.
+        self.draft_prune = draft_prune
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -379,6 +383,7 @@ class Scheduler:
             sample_seed=None if seed is None else draw_seed(seed, request.num_output_tokens),
             output_index=request.num_output_tokens,
             num_draft_tokens=drafts,
+            draft_min_prob=self.draft_prune(request) if drafts and self.draft_prune is not None else 0.0,
             draft_start_pos=request.num_draft_computed_tokens,
             draft_catchup_ids=request.token_ids[request.num_draft_computed_tokens:catch_up_end],
             history=request.token_ids if sample and request.params.adjusts_logits else None,

@@ -30,21 +30,28 @@ A request held back from drafting is due to draft again after `probe_every` pure
 drafts (whether or not the step drafted): the gate then counts it at the recent requests' mean, so a lone
 request that started badly is re-tried, while one due request among many does not open the gate alone.
 
-Shapes (`--speculative-policy goodput`): besides the configured shape, chains of fewer drafts (`chains`). A
-drafting step takes the shape with the most tokens per second: each request's expected tokens from a chain
-of d drafts, 1 + Σ_{i<=d} Π_{j<=i} p_j, with p_j its acceptance at position j given all before were accepted
-(its own counts, drawn towards the recent requests' per position), over the shape's measured step cost. A
-shape not yet measured in a bucket is estimated from the plain step and the shapes measured there, as if a
-step's cost beyond a plain one's grew with its verified rows: optimistic for short chains, so they get tried,
-and their first two timed steps correct it. A configured tree counts at the request's mean acceptance length,
-as above. Each request then drafts the fewest of the step's drafts that keep all but a twentieth of
-a token it expects from them: a shorter row costs nothing less in the step, but takes fewer KV pages.
+Shapes (`--speculative-policy goodput`): besides the configured shape, chains of fewer drafts (`chains`) and
+smaller trees (`trees`, SpecConfig.tree_sizes). A shape is named by its drafts: chains have 1..K, trees more.
+A drafting step takes the shape with the most tokens per second: each request's expected tokens from a shape
+of depth D, 1 + Σ_{i<=D} Π_{j<=i} p_j, with p_j its acceptance at depth j given it reached depth j - 1 (its
+own counts for that shape's kind, drawn towards the recent requests' per depth: one set for all chains, whose
+draft at a depth is the same token whatever their length, and one per tree size, whose width at each depth
+differs), over the shape's measured step cost. A shape not yet measured in a bucket is estimated from the
+plain step and the shapes measured there, as if a step's cost beyond a plain one's grew with its verified
+rows, or on a MoE target with the weight bytes they read (`ExpertReads`): optimistic for short chains, so they
+get tried, and their first two timed steps correct it. Each request then drafts the fewest of a chain's drafts
+that keep all but a twentieth of a token it expects from them: a shorter row costs nothing less in the step,
+but takes fewer KV pages. A tree is shrunk per request by its draft scores instead (`draft_min_prob`): where
+the general search builds it, nodes whose path probability is below what a verify row costs in tokens are
+pruned, as EAGLE-2 ranks nodes by that probability.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
+from specserve.config import ModelConfig
 from specserve.core import Request
 
 
@@ -63,6 +70,48 @@ class AdaptiveConfig:
             raise ValueError("a probe must last at least two steps: the first after a switch is not timed")
 
 
+@dataclass(frozen=True)
+class ExpertReads:
+    """What a MoE target reads per step, for estimating an unmeasured shape's cost: its routed experts'
+    weights, read once per distinct expert a step's rows touch, and the rest, read once per step."""
+
+    num_experts: int
+    top_k: int
+    expert_params: int  # one expert's weights, summed over the MoE layers
+    other_params: int  # every other weight a step reads (attention, dense MLPs, shared experts, the LM head)
+
+    def distinct(self, rows: int) -> float:
+        """Expected distinct experts a layer's `rows` tokens touch, as if each picked top_k of them at random."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** rows)
+
+    def effective_rows(self, rows: int, batch: int) -> float:
+        """A step of `rows` rows over `batch` sequences, in plain rows of the same cost: the routed experts'
+        share of what a plain step reads grows with the distinct experts, the rest with the rows (as for a
+        dense target). Equals `batch` for a plain step."""
+        routed = self.routed_share(batch)
+        return (1.0 - routed) * rows + routed * batch * self.distinct(rows) / self.distinct(batch)
+
+    def routed_share(self, batch: int) -> float:
+        """The routed experts' share of the weights a plain step of `batch` rows reads."""
+        experts = self.distinct(batch) * self.expert_params
+        return experts / (experts + self.other_params)
+
+
+def expert_reads(cfg: ModelConfig) -> ExpertReads | None:
+    """A MoE target's ExpertReads from its config (Qwen-MoE's and DeepSeek-V3's names, read in config.py);
+    None for a dense one. Parameter counts stand in for bytes: every weight has the model's dtype."""
+    moe = cfg.moe
+    if moe is None:
+        return None
+    hidden, layers, sparse = cfg.hidden_size, cfg.num_layers, len(moe.sparse_layers)
+    attention = hidden * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+    dense_mlp = 3 * hidden * cfg.intermediate_size * (layers - sparse)
+    shared = 3 * hidden * moe.intermediate_size * moe.num_shared_experts * sparse
+    expert = 3 * hidden * moe.intermediate_size * sparse
+    return ExpertReads(moe.num_experts, moe.top_k, expert,
+                       attention * layers + dense_mlp + shared + cfg.vocab_size * hidden)
+
+
 def bucket(batch_size: int) -> int:
     """Batch sizes whose steps cost about the same: the next power of two."""
     return 1 << max(0, batch_size - 1).bit_length()
@@ -74,14 +123,24 @@ class AdaptivePlan:
     `observe_acceptance`."""
 
     def __init__(self, max_drafts: int, config: AdaptiveConfig = AdaptiveConfig(), chains: tuple[int, ...] = (),
-                 depth: int | None = None) -> None:
+                 depth: int | None = None, trees: tuple[tuple[int, int], ...] = (),
+                 experts: ExpertReads | None = None) -> None:
         self.max_drafts = max_drafts
         self.config = config
         # Chain depths a drafting step may take besides the configured shape (none: on or off only).
         self.chains = tuple(sorted(d for d in chains if d < max_drafts))
         self.depth = depth or max_drafts  # of the configured shape: a chain's drafts, a tree's steps
+        # Tree sizes, drafts -> search levels: the configured tree (if it is one) and smaller ones.
+        self.trees = dict(trees)
+        if self.depth != max_drafts:
+            self.trees.setdefault(max_drafts, self.depth)
+        self.experts = experts  # a MoE target's weight reads, for cost estimates
+        self.choosing = bool(self.chains) or len(self.trees) > 1  # among shapes, or on and off only
         self.shape = max_drafts  # the drafts of the shape this step takes
         self.position_accept = [0.7] * self.depth  # the recent requests' acceptance at each position, optimistic
+        # The same per tree size and depth: a tree holds more than a chain's one draft at a depth.
+        self.tree_accept = {drafts: [0.8] * levels for drafts, levels in self.trees.items()}
+        self.min_prob = 0.0  # the draft probability a tree node needs this step to pay for its verify row
         self.shape_cost: dict[tuple[int, int], float] = {}  # (drafts, bucket) -> seconds per step
         self._shape_times: dict[tuple[int, int], deque[float]] = {}
         self._last_shape: tuple[int, int] | None = None  # the shape and bucket of the last drafting step observed
@@ -112,18 +171,19 @@ class AdaptivePlan:
             draft = borrowed * plain  # until probes have measured drafting here
         # A step that drafts to measure (not because it pays) lets every request draft (break-even 0):
         # otherwise requests below the break-even would draft nothing, and nothing would be measured.
-        self.break_even = 0.0
+        self.break_even = self.min_prob = 0.0
         self.shape = self.max_drafts
         if self._unmeasured(False, size) or (self._unmeasured(True, size) and borrowed is None):
             # Measure what is missing: drafting first, unless a smaller batch already showed that it loses.
             choice = self._unmeasured(True, size) and borrowed is None
         else:
-            if self.chains and borrowed is None:
+            if self.choosing and borrowed is None:
                 self.shape, draft = self._best_shape(requests, size, plain)
             gain = self._gain(requests, draft / plain)
             choice = self._probe(size, gain > 1, self._probe_interval(gain, draft, plain, size))
             if choice and gain > 1:
                 self.break_even = draft / plain
+                self.min_prob = self._row_price(requests, draft, plain)
         last, run, since = self._side.get(size, (None, 0, 0))
         if last != choice:
             run, since = 0, self._samples.get((choice, size), 0)
@@ -176,40 +236,60 @@ class AdaptivePlan:
             return self._request_drafts(request)
         return 0
 
+    def draft_min_prob(self, request: Request) -> float:
+        """The draft probability below which the request's tree nodes are pruned this step (0: none). Taken
+        as the chance that the node is accepted, as EAGLE-2 does: a head's confidence follows its acceptance
+        closely. Chains are shortened per request by their counts instead (`num_drafts`)."""
+        return self.min_prob if self.choosing and self._is_tree(self.shape) else 0.0
+
+    def _row_price(self, requests: list[Request], draft: float, plain: float) -> float:
+        """What a verify row costs in tokens of this step: the step's cost beyond a plain one, spread over its
+        draft rows, over the time the step takes per token it is expected to yield. A node is worth its row
+        when its chance of being accepted is at least this."""
+        rows = len(requests) * self.shape
+        tokens = sum(max(self._tokens(r, self.shape), 1.0) for r in requests)
+        return min(1.0, max(draft - plain, 0.0) / rows * tokens / draft)
+
     def _request_drafts(self, request: Request) -> int:
         """The step's shape, or on a chain the fewest drafts that keep nearly all the tokens it expects."""
-        if not self.chains or self._is_tree(self.shape):
+        if not self.choosing or self._is_tree(self.shape):
             return self.shape
         full = self._chain_tokens(request, self.shape)
         return next(d for d in range(1, self.shape + 1) if self._chain_tokens(request, d) >= full - 0.05)
 
     # -- shapes -------------------------------------------------------------
     def _tokens(self, request: Request, shape: int) -> float:
-        """Expected tokens of a step of `shape` drafts for the request: by position on a chain, where the plan
-        picks among shapes; else the request's mean acceptance length."""
-        if not self.chains or self._is_tree(shape):
+        """Expected tokens of a step of `shape` drafts for the request: by depth, where the plan picks among
+        shapes; else the request's mean acceptance length."""
+        if not self.choosing:
             return self._accept_len(request)
+        if self._is_tree(shape):
+            reached, kept = request.tree_positions.get(shape, ((), ()))
+            return self._expected(reached, kept, self.tree_accept[shape], self.trees[shape])
         return self._chain_tokens(request, shape)
 
     def _is_tree(self, shape: int) -> bool:
-        return shape == self.max_drafts and self.depth != self.max_drafts
+        return shape in self.trees
 
     def _chain_tokens(self, request: Request, depth: int) -> float:
-        """1 + Σ_{i<=depth} Π_{j<=i} p_j: the acceptance at each position given all before were accepted, the
+        return self._expected(request.drafts_reached, request.drafts_kept, self.position_accept, depth)
+
+    def _expected(self, reached, kept, recent: list[float], depth: int) -> float:
+        """1 + Σ_{i<=depth} Π_{j<=i} p_j: the acceptance at each depth given the one before was reached, the
         request's own counts drawn towards the recent requests' as `_accept_len` draws its mean."""
-        prior, reached, kept = self.config.prior_steps, request.drafts_reached, request.drafts_kept
+        prior = self.config.prior_steps
         tokens, through = 1.0, 1.0
         for j in range(depth):
             seen = reached[j] if j < len(reached) else 0
             hits = kept[j] if j < len(kept) else 0
-            through *= (hits + prior * self.position_accept[j]) / (seen + prior)
+            through *= (hits + prior * recent[j]) / (seen + prior)
             tokens += through
         return tokens
 
     def _best_shape(self, requests: list[Request], size: int, plain: float) -> tuple[int, float]:
         """The shape with the most tokens per second for `requests`, and its step cost (measured or estimated)."""
         best = None
-        for shape in (*self.chains, self.max_drafts):
+        for shape in sorted({*self.chains, *self.trees, self.max_drafts}):
             cost = self._shape_cost(shape, size, plain)
             break_even = cost / plain
             tokens = sum(t if t > break_even else 1.0 for t in (self._tokens(r, shape) for r in requests))
@@ -220,14 +300,20 @@ class AdaptivePlan:
 
     def _shape_cost(self, shape: int, size: int, plain: float) -> float:
         """Measured, or estimated from the measured shapes of the bucket: a plain step plus a cost per verified
-        row (the configured shape's, or the nearest measured one's)."""
+        row (the configured shape's, or the nearest measured one's). On a MoE target the rows count by what
+        they read (`ExpertReads.effective_rows`): rows that touch no new expert read no new weights."""
         if (shape, size) in self.shape_cost:
             return self.shape_cost[(shape, size)]
         measured = [(d, c) for (d, b), c in self.shape_cost.items() if b == size]
         if not measured:
             measured = [(self.max_drafts, self.cost[(True, size)])]
         drafts, cost = min(measured, key=lambda m: abs(m[0] - shape))
-        return plain + max(cost - plain, 0.0) * (shape + 1) / (drafts + 1)
+        return plain + max(cost - plain, 0.0) * self._rows(shape, size) / self._rows(drafts, size)
+
+    def _rows(self, drafts: int, size: int) -> float:
+        """A drafting step's verified rows at `size` sequences, weighed by what they read on a MoE target."""
+        rows = size * (drafts + 1)
+        return rows if self.experts is None else self.experts.effective_rows(rows, size)
 
     def _due(self, request: Request) -> bool:
         return request.steps_since_drafting > self.config.probe_every
@@ -276,12 +362,14 @@ class AdaptivePlan:
         return total / (request.num_spec_steps + prior)
 
     def snapshot(self) -> dict:
-        """What the plan believes now, for benchmark records: step costs in ms by side and bucket, the
-        switch costs, the recent requests' mean acceptance length and the step times kept."""
+        """What the plan believes now, for benchmark records: step costs in ms by side and bucket (and by
+        shape's drafts and bucket), the switch costs, the recent requests' mean acceptance length and the step
+        times kept."""
         def name(key: tuple[bool, int]) -> str:
             return f"{'draft' if key[0] else 'plain'}@{key[1]}"
 
         return {"cost_ms": {name(k): round(s * 1e3, 3) for k, s in sorted(self.cost.items())},
+                "shape_cost_ms": {f"{d}@{b}": round(s * 1e3, 3) for (d, b), s in sorted(self.shape_cost.items())},
                 "switch_cost_ms": {str(b): round(s * 1e3, 3) for b, s in sorted(self.switch_cost.items())},
                 "mean_accept_len": round(self.mean_accept_len, 3),
                 "samples": {name(k): n for k, n in sorted(self._samples.items())}}
@@ -304,7 +392,7 @@ class AdaptivePlan:
             self.cost[key] = _keep(self._times, key, seconds, self.config.window)
             self._samples[key] = self._samples.get(key, 0) + 1
         shape = (self.shape, key[1]) if planned == key and drafted else None
-        if shape is not None and self.chains and self._last_shape == shape and self._streak >= 2:
+        if shape is not None and self.choosing and self._last_shape == shape and self._streak >= 2:
             self.shape_cost[shape] = _keep(self._shape_times, shape, seconds, self.config.window)
         self._last_shape = shape
         self._observed = key if planned == key else None
@@ -318,7 +406,7 @@ class AdaptivePlan:
         """Called after the request's counters took this step in."""
         if drafted > 0:
             request.steps_since_drafting = 0
-        if self.chains:
+        if self.choosing:
             self._count_positions(request, drafted, accepted)
         # Fewer drafts than planned: cut by the room the request has left, which caps its acceptance too. Such
         # steps end every request, all at once at the end of a wave of like requests, and would drag the
@@ -328,18 +416,25 @@ class AdaptivePlan:
             self.mean_accept_len = (1 - weight) * self.mean_accept_len + weight * (1.0 + accepted)
 
     def _count_positions(self, request: Request, drafted: int, accepted: int) -> None:
-        """Per position: reached (all drafts before it accepted) and kept; the recent mean per position too. A
-        tree's accepted path counts as a chain of its depth, the configured one."""
-        depth = self.depth if drafted >= self.max_drafts else min(drafted, self.depth)
-        while len(request.drafts_reached) < depth:
-            request.drafts_reached.append(0)
-            request.drafts_kept.append(0)
+        """Per depth: reached (all drafts before it accepted) and kept; the recent mean per depth too. A tree
+        counts under its size; one cut short of a size by the room left (a request's last steps) does not."""
+        if self._is_tree(drafted):
+            depth = self.trees[drafted]
+            reached, kept = request.tree_positions.setdefault(drafted, ([], []))
+            recent = self.tree_accept[drafted]
+        elif drafted <= self.depth:
+            depth, reached, kept, recent = drafted, request.drafts_reached, request.drafts_kept, self.position_accept
+        else:
+            return
+        while len(reached) < depth:
+            reached.append(0)
+            kept.append(0)
         weight = self.config.smoothing
         for j in range(min(accepted + 1, depth)):
             hit = j < accepted
-            request.drafts_reached[j] += 1
-            request.drafts_kept[j] += hit
-            self.position_accept[j] = (1 - weight) * self.position_accept[j] + weight * hit
+            reached[j] += 1
+            kept[j] += hit
+            recent[j] = (1 - weight) * recent[j] + weight * hit
 
 
 def _keep(store: dict, key, seconds: float, window: int) -> float:

@@ -1,8 +1,14 @@
 """The general draft search: `TreeProposer`, the `Proposer` (speculative/base.py) of every drafter.
 
 `propose(batch) -> {sequence index: DraftTree}` for every sequence with `num_draft_tokens > 0`, rooted at the
-sequence's last token, with exactly `num_draft_tokens` drafts. Drafts are chosen deterministically (top-k of
-the draft's distribution), which is what makes `speculative.verify` lossless for them.
+sequence's last token, with `num_draft_tokens` drafts, less those pruned by the sequence's `draft_min_prob`
+(nodes whose path's draft probability is below it; the draft plan sets it where a verify row costs more than
+such a node is expected to yield). Drafts are chosen deterministically (top-k of the draft's distribution),
+which is what makes `speculative.verify` lossless for them; pruning only removes some.
+
+A budget past the deepest chain (`chain_max`) takes the levels of the smallest tree size that holds it
+(`tree_sizes`: the draft plan picks among trees of several sizes, SpecConfig.tree_sizes); others search
+`num_steps` levels, or fewer for a small budget.
 
 One search serves both kinds of drafter (an EAGLE-3 head, or a standalone draft model): EAGLE-2's dynamic
 tree. From the root, take the top-k next tokens; feed those k nodes back, take the top-k children of each,
@@ -21,6 +27,7 @@ searching live in a scratch region after the mirrored slots; their KV is thrown 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +65,7 @@ class _Search:
     depth: int
     context_slots: torch.Tensor  # drafter KV slots of the context the nodes attend to
     scratch_base: int
+    min_logp: float = -math.inf  # candidates scoring less are pruned
     candidates: list[tuple[int, int, float]] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)  # candidates to feed next
     fed: list[int] = field(default_factory=list)  # candidates already fed, in feed order
@@ -97,17 +105,20 @@ class _Search:
         return mask
 
     def tree(self) -> DraftTree:
-        return best_first_tree(self.root_token, self.candidates, self.num_drafts)
+        return best_first_tree(self.root_token, self.candidates, self.num_drafts, self.min_logp)
 
 
 class TreeProposer:
     def __init__(self, drafter: Drafter, topk: int, num_steps: int, max_drafts: int, scratch_start: int,
-                 device: torch.device) -> None:
+                 device: torch.device, tree_sizes: tuple[tuple[int, int], ...] = (), chain_max: int = 0) -> None:
         """The drafter's scratch region starts at slot `scratch_start` and holds `scratch_slots(topk,
-        num_steps, max_drafts)` slots per sequence of a batch."""
+        num_steps, max_drafts)` slots per sequence of a batch. `tree_sizes`: (drafts, levels) of each tree a
+        step may take (none: the configured one only)."""
         self.drafter = drafter
         self.topk = topk
         self.num_steps = num_steps
+        self.tree_sizes = sorted(tree_sizes)
+        self.chain_max = chain_max
         self.scratch_start = scratch_start
         self.scratch_stride = scratch_slots(topk, num_steps, max_drafts)
         self.device = device
@@ -155,11 +166,20 @@ class TreeProposer:
             root_token=seq.token_ids[-1],
             root_pos=root_pos,
             num_drafts=seq.num_draft_tokens,
-            depth=search_depth(seq.num_draft_tokens, self.topk, self.num_steps),
+            depth=search_depth(seq.num_draft_tokens, self.topk, self.levels(seq.num_draft_tokens)),
             context_slots=table[pos // page_size] * page_size + pos % page_size,
             scratch_base=self.scratch_start + j * self.scratch_stride,
+            min_logp=math.log(seq.draft_min_prob) if seq.draft_min_prob > 0 else -math.inf,
             grammar=seq.grammar,
         )
+
+    def levels(self, num_drafts: int) -> int:
+        """Levels to search for a budget of `num_drafts`: those of the smallest tree size that holds it."""
+        if num_drafts > self.chain_max:
+            for drafts, levels in self.tree_sizes:
+                if num_drafts <= drafts:
+                    return min(levels, self.num_steps)
+        return self.num_steps
 
     def _grow(self, searches: list[_Search], active: list[int], parents: list[list[int]], logits: torch.Tensor) -> None:
         """`logits` has one row per parent, in order; each parent gets its top-k children."""

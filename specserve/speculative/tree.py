@@ -5,6 +5,7 @@ stored parents-first, so `parents[i] < i`. A chain is a tree in which every node
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,14 +48,18 @@ class DraftTree:
         return mask
 
 
-def best_first_tree(root: int, candidates: list[tuple[int, int, float]], num_draft_tokens: int) -> DraftTree:
-    """Keeps the `num_draft_tokens` candidates with the highest cumulative draft log-probability (EAGLE-2).
+def best_first_tree(root: int, candidates: list[tuple[int, int, float]], num_draft_tokens: int,
+                    min_logp: float = -math.inf) -> DraftTree:
+    """Keeps the `num_draft_tokens` candidates with the highest cumulative draft log-probability (EAGLE-2),
+    of those scoring at least `min_logp` (pruning: fewer drafts, never others).
 
     `candidates` are (token, parent candidate index or -1 for the root, cumulative log-prob), parents listed
-    before children. A child's score never exceeds its parent's, so the best-N set always includes every
-    kept node's ancestors; ties go to the earlier (shallower) candidate for the same reason.
+    before children. A child's score never exceeds its parent's, so the best-N set, and the set above any
+    score, always include every kept node's ancestors; ties go to the earlier (shallower) candidate for the
+    same reason.
     """
     order = sorted(range(len(candidates)), key=lambda i: (-candidates[i][2], i))[:num_draft_tokens]
+    order = [i for i in order if candidates[i][2] >= min_logp]
     kept = sorted(order)  # candidate order is parents-first
     new_index = {old: new for new, old in enumerate(kept, start=1)}
     tokens, parents = [root], [-1]

@@ -94,5 +94,5 @@ class DraftModel:
         kv = allocate_kv_cache(model.config, num_slots + scratch, kv_cache.dtype, kv_cache.device)
         drafter = DraftModelDrafter(model, kv, kv_cache.device)
         proposer = TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots,
-                                kv_cache.device)
+                                kv_cache.device, spec.tree_sizes, max(spec.chain_lengths, default=0))
         return Speculator(proposer)

@@ -128,19 +128,22 @@ class Eagle3:
         # One row per target KV slot, the graphs' padding slot included.
         taps = torch.zeros(kv_cache.shape[2], head.config.model.hidden_size, dtype=dtype, device=device)
         drafter = Eagle3Drafter(head, target.embed_tokens, head_kv, taps, device)
-        proposer = TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots, device)
+        proposer = TreeProposer(drafter, spec.eagle_topk, spec.num_steps, spec.max_drafts, num_slots, device,
+                                spec.tree_sizes, max(spec.chain_lengths, default=0))
         setup = ProgramSetup(num_slots, max_bs, max_model_len, page_size, spec.simulate_accept_len, rng, capture,
                              progress)
-        tree = None
+        trees = {}
         if self._tree_program(config, device):
-            # The target's scratch starts after its padding page, the head's after its padding slot.
+            # The target's scratch starts after its padding page, the head's after its padding slot. Every
+            # tree size uses the start of the configured one's: a step runs one program, and its nodes are
+            # moved out of scratch within the step.
             scratch = (num_slots + page_size, num_slots + 1)
-            tree = TreeGraphs(target, drafter, kv_cache, spec.eagle_topk, spec.num_steps, spec.max_drafts,
-                              scratch, setup)
+            trees = {drafts: TreeGraphs(target, drafter, kv_cache, spec.eagle_topk, levels, drafts, scratch, setup)
+                     for drafts, levels in spec.tree_sizes}
         chains = {k: ChainGraphs(target, drafter, kv_cache, k, setup) for k in spec.chain_lengths}
-        if len(chains) + (tree is not None) > 1:  # the draft plan picks among shapes
-            return Speculator(proposer, ShapePrograms(chains, tree))
-        return Speculator(proposer, tree or next(iter(chains.values()), None))
+        if len(chains) + len(trees) > 1:  # the draft plan picks among shapes
+            return Speculator(proposer, ShapePrograms(chains, trees))
+        return Speculator(proposer, next(iter(trees.values()), None) or next(iter(chains.values()), None))
 
     @staticmethod
     def _tree_program(config: EngineConfig, device: torch.device) -> bool:
