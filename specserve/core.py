@@ -255,6 +255,9 @@ class ScheduledSeq:
     # The request's grammar state (Request.grammar) where it samples under a constraint: masks for this step's
     # rows are read from it, and it is not advanced during the step.
     grammar: object | None = None
+    # Structured output: the tokens the grammar forces after token_ids[-1] (GrammarState.forced_tokens),
+    # verified this step as the first drafts of the sequence's chain, before any of num_draft_tokens.
+    forced_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ class Switches:
     chain_shared_context: bool = _switch(
         True, "On a GPU, a chain step's catch-up and verified rows of a sequence attend as one run over the "
               "context before them. Off: each row on its own, like a decode row.")
+    forced_drafts: bool = _switch(
+        True, "Under structured output, verify the text a grammar forces next (a schema's keys and "
+              "punctuation, as the tokenizer encodes it) as the first drafts of a step, with or without "
+              "speculation. Off: one token a step without speculation; the drafter drafts it through its masks.")
     # Tests only.
     triton_interpreter_tests: bool = _switch(
         False, "Run the Triton kernels' tests in Triton's CPU interpreter (tests/kernels/test_triton_interpreter.py) "

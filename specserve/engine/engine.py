@@ -343,15 +343,20 @@ class EngineCore:
             # Counted from what is emitted: a stop inside the accepted run ends the step there, and the
             # drafts and bonus token after it are not output (with a stop, it takes the bonus token's place).
             emitted_drafts = len(emitted) - 1
-            if seq.num_draft_tokens:
+            # Grammar-forced drafts count as drafts (a step that verifies them is a speculative step, with or
+            # without a drafter); the plan learns only from the drafter's own, which follow them in the chain.
+            forced = len(seq.forced_token_ids)
+            drafted = seq.num_draft_tokens + forced
+            if drafted:
                 request.num_spec_steps += 1
-                request.num_drafted_tokens += seq.num_draft_tokens
+                request.num_drafted_tokens += drafted
                 request.num_accepted_tokens += emitted_drafts
-                if self.observer is not None:  # the plan learns how well the drafter guesses, stop or not
-                    self.observer.observe_acceptance(request, seq.num_draft_tokens, accepted_drafts)
+            if seq.num_draft_tokens and self.observer is not None and accepted_drafts >= forced:
+                # how well the drafter guesses, stop or not
+                self.observer.observe_acceptance(request, seq.num_draft_tokens, accepted_drafts - forced)
             if not request.finished:
                 self.scheduler.trim(request, reserve)
-            spec = (seq.num_draft_tokens, emitted_drafts) if seq.num_draft_tokens else (0, None)
+            spec = (drafted, emitted_drafts) if drafted else (0, None)
             deltas.append(_delta(request, emitted, *spec, logprobs=rows[: len(emitted)] if rows else None))
         return deltas
 

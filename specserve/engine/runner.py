@@ -18,6 +18,7 @@ from specserve.sampling.sampler import sample
 from specserve.speculative.base import Speculator
 from specserve.speculative.programs.base import unpack
 from specserve.speculative.simulate import simulated_verdict
+from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import Verdict, verify, verify_seeded
 from specserve.transfer import tensor_on, to_device
 
@@ -143,6 +144,7 @@ class ModelRunner:
         seqs = batch.seqs
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
+            trees.update(_forced_chains(batch))
         if not trees and self._graph_fits(seqs) and (self.recorder is None or self.graphs.record_layers):
             return self._graph_step(batch, publish)
         with self.timer.phase("prepare"):
@@ -292,6 +294,13 @@ def _sample_rows(seqs, logits: torch.Tensor, contexts) -> torch.Tensor:
     masks = [s.grammar.next_mask() if s.grammar is not None else None for s in seqs]
     adjusted = mask_logits(adjust_logits(logits, contexts), masks)
     return sample(adjusted, [s.params for s in seqs], [s.sample_seed for s in seqs])
+
+
+def _forced_chains(batch: StepBatch) -> dict[int, DraftTree]:
+    """Sequences whose grammar forces their next tokens (scheduler.py `_forced_span`) and that do not draft
+    verify those tokens alone, as a chain (the proposer puts them first in the trees of those that draft)."""
+    return {i: DraftTree.chain(s.token_ids[-1], s.forced_token_ids)
+            for i, s in enumerate(batch.seqs) if s.forced_token_ids and not s.num_draft_tokens}
 
 
 def _tree_masks(seq, tree) -> list:

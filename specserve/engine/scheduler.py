@@ -17,10 +17,16 @@ import itertools
 from collections import deque
 from typing import Callable
 
+from specserve import envs
 from specserve.config import SchedulerConfig
 from specserve.core import FinishReason, Request, ScheduledSeq, Status, StepBatch, draw_seed
 from specserve.kv.pages import PageAllocator
 from specserve.kv.prefix import ROOT, PrefixCache
+
+# The most grammar-forced tokens one request verifies in a step: each is one more target row and one more mask
+# filled on the host (finding it, and again in verification), and a span this long covers a schema's keys and
+# punctuation between two values; a longer one takes the next step for the rest.
+MAX_FORCED_TOKENS = 16
 
 
 class Scheduler:
@@ -125,11 +131,13 @@ class Scheduler:
                 continue
             count = min(request.num_uncomputed_tokens, budget)
             drafts = self._num_drafts(request, count, budget) if drafting else 0
-            if not self._make_room(request, count + drafts):
+            forced = self._forced_span(request, count, budget)
+            drafts = max(0, drafts - len(forced))  # the drafter drafts on past them, within its budget
+            if not self._make_room(request, count + drafts + len(forced)):
                 preempted = True
                 break  # `request` itself was preempted; everything after it is gone too.
-            scheduled.append((request, count, drafts))
-            budget -= count + drafts
+            scheduled.append((request, count, drafts, forced))
+            budget -= count + drafts + len(forced)
             index += 1
         # Admitting while evicting would thrash, so new work waits for a step without preemption; and for one
         # without drafts, so that a drafting step holds decoding requests alone.
@@ -147,13 +155,13 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
-            scheduled.append((request, count, 0))
+            scheduled.append((request, count, 0, []))
             budget -= count
         # Drafters follow along only while drafting pays: otherwise they stay behind, and most requests finish
         # before it pays again.
         extend = self.draft_plan is not None and not drafting and self._follows(prompts_pending)
         self._gate_answered = False
-        return StepBatch([self._describe(r, n, d, extend) for r, n, d in scheduled], self.allocator.page_size)
+        return StepBatch([self._describe(r, n, d, extend, f) for r, n, d, f in scheduled], self.allocator.page_size)
 
     def follow(self, previous: StepBatch, width: int) -> StepBatch | None:
         """The next drafting step for the requests of `previous`, a drafting program step still in flight (each
@@ -261,6 +269,20 @@ class Scheduler:
         )
         return max(0, min(self.draft_plan(request), room))
 
+    def _forced_span(self, request: Request, count: int, budget: int) -> list[int]:
+        """The tokens a decoding request's grammar forces next (GrammarState.forced_tokens), to verify this step
+        as the first drafts of its chain, with or without a drafter; never past max_tokens, the context or the
+        step's budget. None while the newest token is a placeholder (negative: a plain step overlapped under
+        overlap scheduling is still sampling it), which the grammar has not seen yet."""
+        if (request.grammar is None or count != 1 or request.num_uncomputed_tokens != 1
+                or request.token_ids[-1] < 0):
+            return []
+        room = min(MAX_FORCED_TOKENS, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens, budget - count)
+        if room < 1 or not envs.get().forced_drafts:
+            return []
+        return request.grammar.forced_tokens(room)
+
     def trim(self, request: Request, reserve: int = 0) -> None:
         """Frees pages past the computed tokens (and `reserve` more: the KV a step in flight may write):
         slots of rejected drafts come back at once."""
@@ -358,7 +380,8 @@ class Scheduler:
         """Tokens known for sure: under overlap the newest output may still be a placeholder."""
         return request.num_tokens - 1 if request.num_output_tokens else request.num_tokens
 
-    def _describe(self, request: Request, count: int, drafts: int, extend: bool) -> ScheduledSeq:
+    def _describe(self, request: Request, count: int, drafts: int, extend: bool,
+                  forced: list[int] | None = None) -> ScheduledSeq:
         start = request.num_computed_tokens
         sample = start + count == request.num_tokens
         seed = request.params.seed
@@ -389,4 +412,5 @@ class Scheduler:
             history=request.token_ids if sample and request.params.adjusts_logits else None,
             num_prompt_tokens=request.num_prompt_tokens,
             grammar=request.grammar if sample else None,
+            forced_token_ids=forced or [],
         )

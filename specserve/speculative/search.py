@@ -19,7 +19,10 @@ Under a grammar (structured output), each draft row is masked in the draft vocab
 allows after the root and the drafts on the path to the row's node, so the search never proposes a token the
 target's masked distribution could not emit; where the grammar allows a single token, the chain drafts it.
 Only a node with fewer allowed tokens than topk gets forbidden children (at -inf: ranked last, and rejected
-by verification if a budget still keeps them).
+by verification if a budget still keeps them). Tokens the grammar forces next (`ScheduledSeq.forced_token_ids`)
+come first, as a chain: each is fed as the one node of its level, with no top-k and no mask, and the search
+goes on from the last one; the scheduler takes them from the sequence's draft budget, so a chain feeds no more
+levels than without them.
 
 A drafter's KV pool mirrors the target's page layout (same page ids, its own tensors), so drafting needs no
 pages of its own: position p of a request lives at the same slot in both pools. Nodes fed back while
@@ -51,8 +54,9 @@ def search_depth(num_drafts: int, topk: int, num_steps: int) -> int:
 
 
 def scratch_slots(topk: int, num_steps: int, max_drafts: int) -> int:
-    """Scratch slots one sequence needs: every level of the deepest search but the last is fed back."""
-    return topk * (search_depth(max_drafts, topk, num_steps) - 1)
+    """Scratch slots one sequence needs: every level of the deepest search but the last is fed back, after
+    the nodes of a forced chain shorter than the budget (a longer one is verified without the drafter)."""
+    return topk * (search_depth(max_drafts, topk, num_steps) - 1) + max_drafts - 1
 
 
 @dataclass
@@ -72,6 +76,7 @@ class _Search:
     # Row of the drafter's latest output whose state a candidate is fed with: its parent's row.
     state_row: dict[int, int] = field(default_factory=dict)
     grammar: object | None = None  # the request's grammar state (structured/state.py), if constrained
+    forced: list[int] = field(default_factory=list)  # tokens the grammar forces first: levels 1..len(forced)
 
     def path(self, candidate: int) -> list[int]:
         """The draft tokens from the root down to `candidate` (-1: the root itself, no tokens)."""
@@ -93,6 +98,13 @@ class _Search:
         new = range(first, len(self.candidates))
         self.frontier = sorted(new, key=lambda c: (-self.candidates[c][2], c))[:topk]
 
+    def add_forced(self, level: int, row: int) -> None:
+        """The forced token of `level` (0: the root's child) as the one child of the frontier, certain."""
+        parent = self.frontier[0] if level else -1
+        self.state_row[len(self.candidates)] = row
+        self.candidates.append((self.forced[level], parent, 0.0))
+        self.frontier = [len(self.candidates) - 1]
+
     def feed_mask(self) -> torch.Tensor:
         """[k, context + fed] for the frontier just appended to `fed`: the context, its ancestors, itself."""
         column = {c: i for i, c in enumerate(self.fed)}
@@ -105,7 +117,8 @@ class _Search:
         return mask
 
     def tree(self) -> DraftTree:
-        return best_first_tree(self.root_token, self.candidates, self.num_drafts, self.min_logp)
+        # Forced nodes score 0 (certain), so the best-first cut keeps them all, before any drafted node.
+        return best_first_tree(self.root_token, self.candidates, len(self.forced) + self.num_drafts, self.min_logp)
 
 
 class TreeProposer:
@@ -149,12 +162,12 @@ class TreeProposer:
         logits, states = self.drafter.catch_up(seqs, batch.page_size)
         searches = [self._start(j, s, batch.page_size) for j, s in enumerate(seqs)]
         active = list(range(len(searches)))
-        self._grow(searches, active, [[-1] for _ in active], logits)
+        self._grow(searches, active, [[-1] for _ in active], logits, 0)
         for level in range(1, max(x.depth for x in searches)):
             active = [j for j in active if searches[j].depth > level]
             parents = [list(searches[j].frontier) for j in active]
             logits, states = self._feed(searches, active, level, states)
-            self._grow(searches, active, parents, logits)
+            self._grow(searches, active, parents, logits, level)
         return {i: x.tree() for (i, _), x in zip(spec, searches)}
 
     def _start(self, j: int, seq: ScheduledSeq, page_size: int) -> _Search:
@@ -166,11 +179,13 @@ class TreeProposer:
             root_token=seq.token_ids[-1],
             root_pos=root_pos,
             num_drafts=seq.num_draft_tokens,
-            depth=search_depth(seq.num_draft_tokens, self.topk, self.levels(seq.num_draft_tokens)),
+            depth=len(seq.forced_token_ids) + search_depth(seq.num_draft_tokens, self.topk,
+                                                           self.levels(seq.num_draft_tokens)),
             context_slots=table[pos // page_size] * page_size + pos % page_size,
             scratch_base=self.scratch_start + j * self.scratch_stride,
             min_logp=math.log(seq.draft_min_prob) if seq.draft_min_prob > 0 else -math.inf,
             grammar=seq.grammar,
+            forced=list(seq.forced_token_ids),
         )
 
     def levels(self, num_drafts: int) -> int:
@@ -181,26 +196,31 @@ class TreeProposer:
                     return min(levels, self.num_steps)
         return self.num_steps
 
-    def _grow(self, searches: list[_Search], active: list[int], parents: list[list[int]], logits: torch.Tensor) -> None:
-        """`logits` has one row per parent, in order; each parent gets its top-k children."""
-        logits = self._mask_drafts(searches, active, parents, logits.float())
+    def _grow(self, searches: list[_Search], active: list[int], parents: list[list[int]], logits: torch.Tensor,
+              level: int) -> None:
+        """`logits` has one row per parent, in order; each parent gets its top-k children, or its forced one."""
+        drafting = {j for j in active if level >= len(searches[j].forced)}
+        logits = self._mask_drafts(searches, active, parents, logits.float(), drafting)
         top = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
         tokens = self.drafter.to_target_ids(top.indices).tolist()
         values = top.values.tolist()
         row = 0
         for j, ps in zip(active, parents):
-            searches[j].add_level(ps, row, tokens[row:row + len(ps)], values[row:row + len(ps)], self.topk)
+            if j in drafting:
+                searches[j].add_level(ps, row, tokens[row:row + len(ps)], values[row:row + len(ps)], self.topk)
+            else:
+                searches[j].add_forced(level, row)
             row += len(ps)
 
     def _mask_drafts(self, searches: list[_Search], active: list[int], parents: list[list[int]],
-                     logits: torch.Tensor) -> torch.Tensor:
+                     logits: torch.Tensor, drafting: set[int]) -> torch.Tensor:
         """The draft rows of constrained searches with the tokens their grammar forbids at -inf (read in the
         draft vocabulary through the drafter's id map). A row whose grammar allows no draft-vocabulary token
         stays as it is: its drafts are wasted either way, and an all -inf row has no log-softmax."""
         rows, masks, first = [], [], 0
         for j, ps in zip(active, parents):
             grammar = searches[j].grammar
-            if grammar is not None:
+            if grammar is not None and j in drafting:  # a forced level's row needs no mask
                 rows.extend(range(first, first + len(ps)))
                 masks.append(grammar.path_masks([searches[j].path(p) for p in ps]))
             first += len(ps)

@@ -28,6 +28,7 @@ class Grammars:
         self.cache_size = cache_size
         self.max_threads = max_threads
         self._compiler = None
+        self._tokenizer = None  # loaded with the compiler
         self._cache: OrderedDict[Constraint, object] = OrderedDict()
         self._lock = threading.Lock()  # the front-end compiles on worker threads
 
@@ -47,7 +48,11 @@ class Grammars:
         """A fresh per-request grammar state (structured.state.GrammarState)."""
         from specserve.structured.state import GrammarState
 
-        return GrammarState(self.compile(constraint), self.vocab_size, self.stop_token_ids)
+        compiled = self.compile(constraint)
+        return GrammarState(compiled, self.vocab_size, self.stop_token_ids, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _compile(self, constraint: Constraint):
         compiler = self._get_compiler()
@@ -68,7 +73,8 @@ class Grammars:
         if self._compiler is None:
             import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+            self._tokenizer = self._load_tokenizer()
+            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                            stop_token_ids=list(self.stop_token_ids) or None)
             # xgrammar's own cache would keep a second copy; ours is the one with a bound in entries.
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)

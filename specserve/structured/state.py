@@ -2,23 +2,27 @@
 token masks it allows next: for the request itself, for each node of a draft tree (verification), and for each
 draft path the search extends (drafting). Drafts never move the state for good: masks along a path are filled
 after accepting the path's tokens, which are rolled back straight after, so the state always equals a fresh
-matcher fed the emitted tokens.
+matcher fed the emitted tokens. It also gives the tokens the grammar forces next (`forced_tokens`), which a
+step verifies as drafts.
 
 Masks are int32 bitmasks, one row of ceil(V / 32) words per logit row (bit j of word w: token 32 w + j
 allowed), applied in sampling/grammar_mask.py.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 
 class GrammarState:
-    def __init__(self, compiled_grammar, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, compiled_grammar, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 encode: Callable[[str], list[int]] | None = None) -> None:
+        """`encode`: the tokenizer's text -> token ids, without special tokens (for forced strings)."""
         import xgrammar
 
         self.vocab_size = vocab_size
+        self.encode = encode
         self.matcher = xgrammar.GrammarMatcher(compiled_grammar, override_stop_tokens=list(stop_token_ids) or None)
         self.num_words = (vocab_size + 31) // 32
 
@@ -44,6 +48,35 @@ class GrammarState:
         masks = self.empty_masks(1)
         self.matcher.fill_next_token_bitmask(masks, 0)
         return _unconstrain_empty(masks)
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The tokens the grammar forces after the emitted tokens, at most `limit`, to verify as drafts: the
+        string it forces (xgrammar's jump-forward string: a schema's keys and punctuation) as the tokenizer
+        encodes it, and a token it forces on its own (the one its mask allows: a stop token at the end). The
+        model may split a forced string otherwise (`":` against `"` then `:`), so verification may reject a
+        token of it, and output stays that of plain decoding either way; a token the grammar forbids ends the
+        span. The state is left as it was."""
+        forced: list[int] = []
+        while len(forced) < limit and not self.matcher.is_terminated():
+            text = self.matcher.find_jump_forward_string() if self.encode is not None else ""
+            tokens = self.encode(text) if text else self._only_allowed()
+            taken = 0
+            for token in tokens[: limit - len(forced)]:
+                if not self.matcher.accept_token(token):
+                    break
+                forced.append(token)
+                taken += 1
+            if not taken:
+                break
+        self.rollback(len(forced))
+        return forced
+
+    def _only_allowed(self) -> list[int]:
+        """[the token], where the grammar allows exactly one token next; else []."""
+        masks = self.empty_masks(1)
+        self.matcher.fill_next_token_bitmask(masks, 0)
+        token = _only_token(masks[0])
+        return [token] if token is not None and token < self.vocab_size else []
 
     def path_masks(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """[len(paths), words]: what may follow the emitted tokens and then each path of drafts. A path the
@@ -76,6 +109,18 @@ class GrammarState:
                                          torch.tensor(next_sibling, dtype=torch.int64),
                                          torch.tensor(tokens, dtype=torch.int64), masks)
         return _unconstrain_empty(masks)
+
+
+def _only_token(mask: torch.Tensor) -> int | None:
+    """The token of a one-row bitmask with exactly one bit set, else None."""
+    words = mask.nonzero()
+    if len(words) != 1:
+        return None
+    word = int(words[0, 0])
+    bits = int(mask[word]) & 0xFFFFFFFF
+    if bits & (bits - 1):
+        return None
+    return 32 * word + bits.bit_length() - 1
 
 
 def _unconstrain_empty(masks: torch.Tensor) -> torch.Tensor:
