@@ -23,7 +23,7 @@ import torch
 
 from specserve import envs
 from specserve.distributed.ranks import RankGroup, exit_with_parent, join_ranks
-from specserve.distributed.steps import AUDIT, STOP, StepChannel, decode, encode
+from specserve.distributed.steps import AUDIT, STOP, StepChannel, StepDecoder, StepEncoder
 from specserve.layers.parallel import whole_embedding
 
 log = logging.getLogger(__name__)
@@ -46,22 +46,24 @@ class TargetForDrafting:
 
 
 class StepSender:
-    """Rank 0: each step's batch to every other rank, as one broadcast of its encoding."""
+    """Rank 0: each step's batch to every other rank, as one broadcast of its encoding (page tables as changes
+    against the last step's, `distributed/steps.py`)."""
 
     def __init__(self, group: RankGroup) -> None:
         self.group = group
         self.channel = StepChannel(group.steps)
+        self.encoder = StepEncoder()
 
     def send(self, batch, publish: bool) -> None:
         try:
-            self.channel.send(encode(batch, publish))
+            self.channel.send(self.encoder.encode(batch, publish))
         except RuntimeError as exc:  # gloo's error for a peer that is gone
             self.group.fail(f"a step could not reach the other ranks ({exc})")
 
     def replicas_agree(self, runner) -> bool:
         """Whether every rank holds the same replicated state as rank 0 (`fingerprint`): they accepted the same
         tokens. For tests and debugging; it synchronises every device."""
-        self.channel.send(encode(None, op=AUDIT))
+        self.channel.send(self.encoder.encode(None, op=AUDIT))
         prints = gather_fingerprints(runner, self.group.steps, self.group.size)
         return all(p == prints[0] for p in prints)
 
@@ -70,7 +72,7 @@ class StepSender:
         if self.group.closing:
             return
         self.group.closing = True
-        self.channel.send(encode(None, op=STOP))
+        self.channel.send(self.encoder.encode(None, op=STOP))
         self.group.close()
 
 
@@ -97,9 +99,11 @@ def gather_fingerprints(runner, group, size: int) -> list[list[int]]:
 
 def serve_steps(runner, channel: StepChannel) -> None:
     """Runs each step rank 0 sends, until it says stop. A step that fails here failed on rank 0 as well (the
-    same step on the same state), and rank 0 then sends what it does next (each request alone)."""
+    same step on the same state), and rank 0 then sends what it does next (each request alone). Page tables that
+    no longer match rank 0's (`StepDesync`) end this process, and with it the engine."""
+    decoder = StepDecoder()
     while True:
-        message = decode(channel.receive())
+        message = decoder.decode(channel.receive())
         if message.op == STOP:
             return
         if message.op == AUDIT:

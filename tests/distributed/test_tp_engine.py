@@ -156,3 +156,38 @@ def test_penalties_bias_seeds_and_logprobs_reach_every_rank(tmp_path, tiny_check
             if size == 2:
                 closed(engine)
     assert runs[0] == runs[1] and all(len(out) == 16 for out in runs[1])
+
+
+def test_page_table_changes_keep_two_ranks_on_hf_through_preemption_and_aborts(tiny_checkpoint):
+    """Step descriptions carry page-table changes only: with requests preempted, and others aborted mid-run
+    (their tables dropped on every rank, their pages handed to others), the requests left still produce HF's
+    output, and every step's checksum held (a worker whose tables differed would have stopped the engine)."""
+    path = tiny_checkpoint("llama", True)
+    prompts = make_prompts(512)
+    engine = tp_engine(tight_config(str(path), max_total_tokens=112))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    aborts = {5: ["1"], 9: ["4", "6"]}  # step -> requests aborted before it, each mid-prompt or mid-output
+    outputs = {str(i): [] for i in range(len(prompts))}
+    sender, seen = engine.runner.step_sender, set()
+    send = sender.send
+    sender.send = lambda batch, publish: seen.update(s.request_id for s in batch.seqs) or send(batch, publish)
+    try:
+        step = 0
+        while step <= 12 or engine.has_work():
+            for i, arrival in enumerate([0, 0, 1, 3, 3, 6, 7, 11]):
+                if arrival == step:
+                    engine.add_request(str(i), prompts[i], params)
+            engine.abort(aborts.get(step, []))
+            for delta in engine.step():
+                outputs[delta.request_id] += delta.new_token_ids
+            step += 1
+        alive = sender.group.workers[0].poll() is None
+    finally:
+        closed(engine)
+    reference = hf_reference(path, max_tokens=12)
+    kept = [i for i in range(len(prompts)) if str(i) not in {"1", "4", "6"}]
+    assert alive and [outputs[str(i)] for i in kept] == [reference[i] for i in kept]
+    assert all(len(outputs[rid]) < 12 for rid in ("1", "4", "6"))
+    # A preempted request, readmitted, joined the steps anew: its table was dropped, then sent whole.
+    assert engine.scheduler.num_preemptions > 0 and sender.encoder.next_key > len(seen)
+    assert _all_pages_back(engine)

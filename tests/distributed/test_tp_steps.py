@@ -1,14 +1,24 @@
-"""The step description rank 0 broadcasts: every field the runner reads survives the round trip, and a
-description longer than one broadcast's capacity too."""
+"""The step description rank 0 broadcasts: every field the runner reads survives the round trip, a description
+longer than one broadcast's capacity too, and page tables sent as changes rebuild the whole tables on the other
+side over any run of steps (a rank that misses a change stops)."""
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from specserve.core import SamplingParams, ScheduledSeq, StepBatch
-from specserve.distributed.steps import CAPACITY, STEP, STOP, decode, encode
+from specserve.distributed.steps import CAPACITY, STEP, STOP, StepDecoder, StepDesync, StepEncoder
 
 
 def _seq(n_tokens: int, **kw) -> ScheduledSeq:
     params = kw.pop("params", SamplingParams(temperature=0.0))
-    return ScheduledSeq("r", list(range(5, 5 + n_tokens)), 7, [3, 9, 4], params, True, None, **kw)
+    return ScheduledSeq(kw.pop("request_id", "r"), list(range(5, 5 + n_tokens)), 7, kw.pop("page_ids", [3, 9, 4]),
+                        params, True, None, **kw)
+
+
+def _round_trip(batch: StepBatch, publish: bool = False):
+    return StepDecoder().decode(StepEncoder().encode(batch, publish))
 
 
 def test_a_batch_survives_encoding():
@@ -17,9 +27,9 @@ def test_a_batch_survives_encoding():
                              logit_bias={11: -2.5, 12: 100.0}, max_tokens=5, stop=("x",))
     seqs = [_seq(1, num_draft_tokens=3, draft_start_pos=5, draft_catchup_ids=[8, -3], output_index=4),
             ScheduledSeq("s", [-1], 20, [1, 2], sampled, True, 2**62, history=list(range(30)), num_prompt_tokens=9),
-            _seq(12)]
+            _seq(12, request_id="t")]
     batch = StepBatch(seqs, 16, follow=[1, -1, 0])
-    message = decode(encode(batch, publish=True))
+    message = _round_trip(batch, publish=True)
     assert message.op == STEP and message.publish
     got = message.batch
     assert (got.page_size, got.follow) == (16, [1, -1, 0])
@@ -38,6 +48,97 @@ def test_a_batch_survives_encoding():
 
 def test_a_long_batch_and_stop():
     batch = StepBatch([_seq(CAPACITY + 100)], 8)
-    words = encode(batch)
-    assert len(words) > CAPACITY and decode(words).batch.seqs[0].token_ids == batch.seqs[0].token_ids
-    assert decode(encode(None, op=STOP)).op == STOP
+    words = StepEncoder().encode(batch)
+    assert len(words) > CAPACITY and StepDecoder().decode(words).batch.seqs[0].token_ids == batch.seqs[0].token_ids
+    assert StepDecoder().decode(StepEncoder().encode(None, op=STOP)).op == STOP
+
+
+class _Pool:
+    """Requests whose page tables change as the scheduler changes them: admitted (maybe on a shared prefix),
+    grown, trimmed, a page swapped for a shared copy, finished or preempted, readmitted, left out of a step."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.next_id, self.next_page = rng, 0, 0
+        self.tables: dict[str, list[int]] = {}
+        self.params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3, logit_bias={4: 1.0})]
+        self.settings: dict[str, SamplingParams] = {}
+
+    def pages(self, n: int) -> list[int]:
+        self.next_page += n
+        return list(range(self.next_page - n, self.next_page))
+
+    def admit(self) -> None:
+        rid = f"req-{self.next_id}"
+        self.next_id += 1
+        shared = self.rng.choice([[], *self.tables.values()])[: self.rng.randrange(3)]
+        self.tables[rid] = shared + self.pages(self.rng.randrange(1, 20))
+        self.settings[rid] = self.rng.choice(self.params)
+
+    def change(self, rid: str) -> None:
+        table, roll = self.tables[rid], self.rng.random()
+        if roll < 0.4:
+            table += self.pages(self.rng.randrange(1, 4))
+        elif roll < 0.55 and len(table) > 1:
+            del table[self.rng.randrange(1, len(table)):]  # rejected drafts' pages back
+        elif roll < 0.65:
+            table[self.rng.randrange(len(table))] = self.pages(1)[0]  # a page indexed as another's copy
+        elif roll < 0.7:
+            self.tables[rid] = self.pages(self.rng.randrange(1, 8))  # preempted and readmitted
+
+    def step(self) -> StepBatch:
+        for rid in list(self.tables):
+            if self.rng.random() < 0.1:
+                del self.tables[rid]  # finished, aborted or preempted
+            else:
+                self.change(rid)
+        for _ in range(self.rng.randrange(3)):
+            self.admit()
+        ids = [rid for rid in self.tables if self.rng.random() > 0.1]  # the rest sit this step out
+        self.rng.shuffle(ids)
+        return StepBatch([ScheduledSeq(rid, [1], 0, list(self.tables[rid]), self.settings[rid], True, None,
+                                       num_prompt_tokens=len(rid)) for rid in ids], 16)
+
+
+def _expected_words(batch: StepBatch, previous: dict[str, list[int]]) -> int:
+    """A description's length if it carries, of each sequence, only the pages past those its table shares with
+    the last step's, and its settings only when new to the step."""
+    words = 8  # the header
+    for s in batch.seqs:
+        held = previous.get(s.request_id)
+        kept = 0 if held is None else next((i for i, (a, b) in enumerate(zip(held, s.page_ids)) if a != b),
+                                           min(len(held), len(s.page_ids)))
+        words += 14 + len(s.token_ids) + len(s.page_ids) - kept
+        words += 12 + 2 * len(s.params.logit_bias) if held is None else 0
+    return words
+
+
+def test_page_table_changes_rebuild_the_tables_over_random_steps():
+    rng = random.Random(0)
+    pool, encoder, decoder, previous = _Pool(rng), StepEncoder(), StepDecoder(), {}
+    for step in range(300):
+        if step % 97 == 96:
+            encoder.resync()  # as after a step that failed
+            previous = {}
+        batch = pool.step()
+        words = encoder.encode(batch)
+        got = decoder.decode(words).batch
+        assert [s.page_ids for s in got.seqs] == [s.page_ids for s in batch.seqs], step
+        assert [(s.params.temperature, s.params.logit_bias, s.num_prompt_tokens) for s in got.seqs] == \
+            [(s.params.temperature, s.params.logit_bias, s.num_prompt_tokens) for s in batch.seqs]
+        assert len(words) == _expected_words(batch, previous), step
+        previous = {s.request_id: s.page_ids for s in batch.seqs}
+    assert decoder.seqs.held.keys() == encoder.seqs.held.keys() and len(encoder.seqs.held) == len(previous)
+
+
+def test_an_unchanged_step_carries_no_pages_and_a_lost_change_stops_the_rank():
+    encoder, decoder = StepEncoder(), StepDecoder()
+    batch = StepBatch([_seq(1, request_id=str(i), page_ids=list(range(i * 50, i * 50 + 40))) for i in range(8)], 16)
+    first = encoder.encode(batch)
+    decoder.decode(first)
+    again = encoder.encode(batch)
+    assert len(again) == len(first) - 8 * 40 - 8 * 12  # neither pages nor settings again
+    assert decoder.decode(again).batch.seqs[3].page_ids == list(range(150, 190))
+    grown = StepBatch([_seq(1, request_id=str(i), page_ids=list(range(i * 50, i * 50 + 41))) for i in range(8)], 16)
+    encoder.encode(grown)  # a description this rank never applies
+    with pytest.raises(StepDesync):
+        decoder.decode(encoder.encode(StepBatch(grown.seqs[:4], 16)))
