@@ -47,7 +47,6 @@ pruned, as EAGLE-2 ranks nodes by that probability.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 
