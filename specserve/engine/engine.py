@@ -11,6 +11,9 @@ host knows (up to N's root: `Scheduler.follow`, with pages for the most N can ac
 read back behind it. Anything else (a prompt arriving, the draft plan changing its mind, a request near its
 end) makes the next step wait for N and be scheduled from exact state. A step that drafts by the general
 search runs synchronously: the step in flight is read back first and its tokens replace the placeholders.
+A plain step holding constrained requests overlaps in two halves: its forward is launched, the step in flight
+read back (which advances the grammars), and only then are its masks built and its rows sampled
+(structured/step_masks.py).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from specserve import envs
 from specserve.core import FinishReason, Request, SamplingParams, ScheduledSeq, StepBatch, TokenLogprob
 from specserve.engine.futures import has_placeholder
 from specserve.engine.phases import NoTimer
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
+    overlap_masks: bool  # build grammar masks beside the forward (set with the engine's overlap)
+
     def launch(self, batch: StepBatch, publish: bool = False):
         """Queues a step; returns a StepOutput (engine/runner.py): for each sequence that samples, its new tokens
         (accepted drafts, then one sampled token) and their log-probabilities, read back when asked for. A step
@@ -112,6 +118,15 @@ class EngineCore:
         self._known: dict[int, int] = {}  # placeholder -> token, from the last read-back
 
     @property
+    def overlap(self) -> bool:
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        # Under overlap scheduling the runner also builds a step's grammar masks beside its forward.
+        self._overlap = self.runner.overlap_masks = on
+
+    @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
@@ -192,11 +207,15 @@ class EngineCore:
             self.observer.observe_step(kind == "drafting", len(batch.seqs), now - start)
 
     def _run(self, batch: StepBatch) -> list[TokenDelta]:
-        # Drafting reads the tokens on the host, and penalties read the request's tokens so far, which under
-        # overlap may end in a placeholder; a grammar's mask needs its state past the newest token: each
-        # such step waits for the one in flight.
-        if self.overlap and not any(s.num_draft_tokens or s.history is not None or s.grammar is not None
-                                    for s in batch.seqs):
+        # Drafting (the drafter's, or a grammar's forced tokens) reads the tokens on the host, and penalties
+        # read the request's tokens so far, which under overlap may end in a placeholder: each such step
+        # waits for the one in flight. A grammar's masks need its state past the newest token, so a
+        # constrained plain step samples only after the step in flight is read back (`_step_overlapped`);
+        # with forced tokens on it waits instead, as the scheduler finds a forced span only from a current
+        # grammar, and a span saves whole steps where overlapping saves part of one.
+        wait_for_grammar = envs.get().forced_drafts
+        if self.overlap and not any(s.num_draft_tokens or s.forced_token_ids or s.history is not None
+                                    or (s.grammar is not None and wait_for_grammar) for s in batch.seqs):
             return self._step_overlapped(batch)
         deltas = self._read_back()
         batch = self._with_known_tokens(batch)
@@ -231,6 +250,7 @@ class EngineCore:
             deltas = self._read_back()
             return deltas + self._step_each_alone(batch)
         deltas = self._read_back()
+        launched.output.finish()  # constrained rows: their masks, now that the grammars have N's tokens
         self.in_flight = launched
         return deltas
 

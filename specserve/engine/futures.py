@@ -20,13 +20,23 @@ class FutureTokens:
 
     def publish(self, tokens: torch.Tensor) -> list[int]:
         """Stores a step's sampled tokens [n] on the device; returns their placeholders."""
-        n = tokens.numel()
+        placeholders = self.reserve(tokens.numel())
+        self.store(placeholders, tokens)
+        return placeholders
+
+    def reserve(self, n: int) -> list[int]:
+        """Placeholders for a step's n tokens, to be `store`d before any later step reads them: a step
+        whose sampling waits for its grammar masks hands them out at launch."""
         if n > self.capacity:
             raise ValueError(f"{n} sampled tokens exceed the future buffer's {self.capacity}")
         base = self._half * self.capacity
-        self.values[base:base + n] = tokens
         self._half ^= 1
         return [-(base + i + 1) for i in range(n)]
+
+    def store(self, placeholders: list[int], tokens: torch.Tensor) -> None:
+        if placeholders:
+            base = -placeholders[0] - 1
+            self.values[base:base + len(placeholders)] = tokens
 
     def resolve(self, ids: torch.Tensor) -> None:
         """Replaces placeholders in `ids` (a device tensor) by the tokens they stand for, in place."""

@@ -20,6 +20,7 @@ from specserve.speculative.programs.base import unpack
 from specserve.speculative.simulate import simulated_verdict
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import Verdict, verify, verify_seeded
+from specserve.structured.step_masks import MaskTiming, MaskWorker, StepMasks
 from specserve.transfer import tensor_on, to_device
 
 
@@ -39,15 +40,23 @@ class StepOutput:
         # A chain or tree program's step: device_tokens are its packed rows (speculative/programs/base.py: unpack), and a
         # following step may continue it on the device (Scheduler.follow) with this many tokens per row.
         self.program_width = program_width
-        self._host, self._copied = device_tokens, None
+        self._host, self._copied = None, None
+        self._hold(device_tokens)
+
+    def _hold(self, device_tokens: torch.Tensor | None) -> None:
+        self._host = device_tokens
         if device_tokens is not None and device_tokens.is_cuda:
             self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
             self._host.copy_(device_tokens, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
 
+    def finish(self) -> None:
+        """Queues what the step left for later (DeferredOutput); nothing for others."""
+
     def tokens(self) -> list[list[int]]:
         """Reads the tokens back: the step's one host-device synchronisation."""
+        self.finish()
         if self._ready is None:
             if self._copied is not None:
                 self._copied.synchronize()
@@ -61,6 +70,24 @@ class StepOutput:
         if isinstance(self._logprobs, PlainLogprobs):
             self._logprobs = self._logprobs.to_host()
         return self._logprobs
+
+
+class DeferredOutput(StepOutput):
+    """A plain step launched under overlap scheduling with constrained rows: its forward and logits are
+    queued, and its rows are sampled at `finish`, once the engine has read the step before it back (which
+    advances the grammars its masks come from). Its placeholders are handed out at launch."""
+
+    def __init__(self, sample, placeholders: list[int] | None, futures: FutureTokens) -> None:
+        super().__init__(placeholders=placeholders)
+        self._sample, self._futures = sample, futures
+
+    def finish(self) -> None:
+        if self._sample is None:
+            return
+        (tokens, self._logprobs), self._sample = self._sample(), None
+        if self.placeholders is not None:
+            self._futures.store(self.placeholders, tokens)
+        self._hold(tokens)
 
 
 class PlainLogprobs:
@@ -108,6 +135,11 @@ class ModelRunner:
         self.untimed_gemv = untimed_gemv
         # Tensor parallelism, rank 0: sends each step to the other ranks before running it (distributed/steps.py).
         self.step_sender = None
+        # Grammar masks (structured/step_masks.py): under overlap scheduling a step's are built on a worker
+        # thread beside its forward, else after it; either way, whether they were ready first is counted.
+        self.overlap_masks = False
+        self.mask_timing = MaskTiming()
+        self._mask_worker = MaskWorker()
 
     @contextlib.contextmanager
     def recording(self, recorder):
@@ -128,7 +160,9 @@ class ModelRunner:
     def launch(self, batch: StepBatch, publish: bool = False) -> StepOutput:
         """Queues the step on the device. A step without drafts, or a program's step, returns before its tokens
         are read back; with `publish`, a step without drafts also stores them as futures that the next step's
-        inputs may name. A batch with `follow` takes the program (its inputs are on the device)."""
+        inputs may name, and its constrained rows wait for `StepOutput.finish` (their grammars may still lack
+        the token of the step in flight). A batch with `follow` takes the program (its inputs are on the
+        device)."""
         if self.step_sender is not None:
             self.step_sender.send(batch, publish)
         with self.untimed_gemv():
@@ -145,8 +179,21 @@ class ModelRunner:
         with self.timer.phase("draft"):
             trees = self.proposer.propose(batch) if self.proposer is not None else {}
             trees.update(_forced_chains(batch))
+        # The drafts are known: the masks of the rows that verify them can be built from here on.
+        masks = StepMasks.for_step(seqs, trees, self.mask_timing, self._mask_worker if self.overlap_masks else None,
+                                   deferred=publish and not trees)
+        try:
+            return self._forward_and_sample(batch, publish, trees, masks)
+        except BaseException:
+            if masks is not None:  # no worker may touch the grammars once the step is given up
+                masks.settle()
+            raise
+
+    def _forward_and_sample(self, batch: StepBatch, publish: bool, trees: dict, masks: StepMasks | None
+                            ) -> StepOutput:
+        seqs = batch.seqs
         if not trees and self._graph_fits(seqs) and (self.recorder is None or self.graphs.record_layers):
-            return self._graph_step(batch, publish)
+            return self._graph_step(batch, publish, masks)
         with self.timer.phase("prepare"):
             input_ids, positions, meta, token_lists = self._prepare(batch, trees)
         with self.timer.phase("forward"):
@@ -155,9 +202,9 @@ class ModelRunner:
             with self.timer.phase("follow"):
                 self.proposer.extend_drafter(batch)
         with self.timer.phase("sample"):
-            return self._sample_or_verify(batch, trees, token_lists, hidden, publish)
+            return self._sample_or_verify(batch, trees, token_lists, hidden, publish, masks)
 
-    def _graph_step(self, batch: StepBatch, publish: bool) -> StepOutput:
+    def _graph_step(self, batch: StepBatch, publish: bool, masks: StepMasks | None) -> StepOutput:
         """A plain decode step from a captured graph."""
         seqs = batch.seqs
         with self.timer.phase("forward"):
@@ -166,13 +213,15 @@ class ModelRunner:
             if self.recorder is not None:
                 taps, hidden = self.graphs.recorded(len(seqs))
                 self.recorder.record(seqs, [taps], hidden)
+        if masks is not None:
+            masks.forward_queued(self.device)
         if self.proposer is not None:  # the graphs stored the taps; the drafter may follow along
             with self.timer.phase("follow"):
                 self.proposer.extend_drafter(batch)
         with self.timer.phase("sample"):
             if all(s.params.greedy and not s.params.needs_host_logits for s in seqs):  # the graph took the argmax
-                return self._plain_output(out.greedy, publish)
-            return self._sample_plain(seqs, out.logits.float(), publish)
+                return self._plain_output(out.greedy, publish=publish)
+            return self._sample_plain(seqs, out.logits.float(), publish, masks, range(len(seqs)))
 
     def _forward(self, seqs, input_ids, positions, meta) -> torch.Tensor:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
@@ -185,7 +234,8 @@ class ModelRunner:
             self.recorder.record(seqs, captured, hidden)
         return hidden
 
-    def _sample_or_verify(self, batch: StepBatch, trees: dict, token_lists, hidden, publish: bool) -> StepOutput:
+    def _sample_or_verify(self, batch: StepBatch, trees: dict, token_lists, hidden, publish: bool,
+                          masks: StepMasks | None) -> StepOutput:
         seqs = batch.seqs
         ends = torch.tensor([len(t) for t in token_lists]).cumsum(0).tolist()
         # Logit rows: the last row of a plain sequence; every tree node of a speculating one.
@@ -198,18 +248,27 @@ class ModelRunner:
         if not rows:
             return StepOutput(ready=[], placeholders=[])
         logits = self.model.compute_logits(hidden[tensor_on(rows, self.device)]).float()
+        if masks is not None:
+            masks.forward_queued(self.device)
         if not trees:
-            return self._sample_plain([seqs[i] for i, _, _ in spans], logits, publish)
-        tokens, logprobs = self._choose(seqs, trees, logits, spans, batch.page_size)
+            plain = [i for i, _, _ in spans]
+            return self._sample_plain([seqs[i] for i in plain], logits, publish, masks, plain)
+        tokens, logprobs = self._choose(seqs, trees, logits, spans, batch.page_size, masks)
         return StepOutput(ready=tokens, logprobs=logprobs)
 
-    def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool) -> StepOutput:
+    def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool, masks: StepMasks | None = None,
+                      indices=()) -> StepOutput:
         """One token per sequence, sampled without leaving the device, from the logits adjusted by each
-        request's penalties and bias; log-probabilities (where asked) from the raw logits."""
-        tokens = _sample_rows(seqs, logits, [seq_context(s) for s in seqs])
-        return self._plain_output(tokens, publish, PlainLogprobs.of(seqs, logits, tokens))
+        request's penalties and bias and masked by its grammar (`indices`: each sequence's index in the step,
+        which its masks go by); log-probabilities (where asked) from the raw logits."""
+        def sampled():
+            tokens = _sample_rows(seqs, logits, [seq_context(s) for s in seqs], _row_masks(masks, indices))
+            return tokens, PlainLogprobs.of(seqs, logits, tokens)
+        if masks is not None and masks.deferred:
+            return DeferredOutput(sampled, self.futures.reserve(len(seqs)) if publish else None, self.futures)
+        return self._plain_output(*sampled(), publish=publish)
 
-    def _plain_output(self, tokens: torch.Tensor, publish: bool, logprobs: PlainLogprobs | None = None
+    def _plain_output(self, tokens: torch.Tensor, logprobs: PlainLogprobs | None = None, publish: bool = False
                       ) -> StepOutput:
         return StepOutput(device_tokens=tokens, placeholders=self.futures.publish(tokens) if publish else None,
                           logprobs=logprobs)
@@ -241,7 +300,7 @@ class ModelRunner:
         )
         return input_ids, positions, meta, token_lists
 
-    def _choose(self, seqs, trees, logits, spans, page_size: int):
+    def _choose(self, seqs, trees, logits, spans, page_size: int, masks: StepMasks | None):
         """Each sampling sequence's new tokens, and their log-probabilities where asked (else None for all)."""
         plain = [(i, first) for i, first, _ in spans if i not in trees]
         results: dict[int, list[int]] = {}
@@ -249,7 +308,8 @@ class ModelRunner:
         if plain:
             plain_seqs = [seqs[i] for i, _ in plain]
             plain_logits = logits[[first for _, first in plain]]
-            chosen = _sample_rows(plain_seqs, plain_logits, [seq_context(s) for s in plain_seqs])
+            chosen = _sample_rows(plain_seqs, plain_logits, [seq_context(s) for s in plain_seqs],
+                                  _row_masks(masks, [i for i, _ in plain]))
             rows = PlainLogprobs.of(plain_seqs, plain_logits, chosen)
             rows = rows.to_host() if rows is not None else [None] * len(plain)
             for (i, _), token, row in zip(plain, chosen.tolist(), rows):
@@ -257,7 +317,8 @@ class ModelRunner:
         for i, first, width in spans:
             if i in trees:
                 seq, tree, raw = seqs[i], trees[i], logits[first:first + width]
-                adjusted = mask_logits(adjust_logits(raw, _tree_contexts(seq, tree)), _tree_masks(seq, tree))
+                tree_masks = masks.rows(i, width) if masks is not None else [None] * width
+                adjusted = mask_logits(adjust_logits(raw, _tree_contexts(seq, tree)), tree_masks)
                 verdict = self._verdict(adjusted, tree, seq)
                 self._compact_kv(seq, verdict.accepted_nodes, page_size)
                 results[i], logprobs[i] = verdict.tokens, _verdict_logprobs(seq, raw, verdict)
@@ -290,8 +351,7 @@ class ModelRunner:
         self.proposer.move_slots(src, dst)
 
 
-def _sample_rows(seqs, logits: torch.Tensor, contexts) -> torch.Tensor:
-    masks = [s.grammar.next_mask() if s.grammar is not None else None for s in seqs]
+def _sample_rows(seqs, logits: torch.Tensor, contexts, masks: list) -> torch.Tensor:
     adjusted = mask_logits(adjust_logits(logits, contexts), masks)
     return sample(adjusted, [s.params for s in seqs], [s.sample_seed for s in seqs])
 
@@ -303,12 +363,11 @@ def _forced_chains(batch: StepBatch) -> dict[int, DraftTree]:
             for i, s in enumerate(batch.seqs) if s.forced_token_ids and not s.num_draft_tokens}
 
 
-def _tree_masks(seq, tree) -> list:
-    """Each tree node's grammar mask (the grammar state after the drafts on the path to it), or None per row
-    for an unconstrained request."""
-    if seq.grammar is None:
-        return [None] * len(tree.tokens)
-    return list(seq.grammar.tree_masks(tree.tokens, tree.parents).split(1))
+def _row_masks(masks: StepMasks | None, indices) -> list:
+    """One grammar mask (or None) per sampled row, for the step's sequences `indices`, one row each."""
+    if masks is None:
+        return [None] * len(indices)
+    return [m for i in indices for m in masks.rows(i, 1)]
 
 
 def _tree_contexts(seq, tree) -> list:

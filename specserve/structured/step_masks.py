@@ -1,0 +1,135 @@
+"""The grammar masks of one launched step: the one place that builds them, and that knows when.
+
+A step holding constrained rows is run in two halves: the forward and the logits are queued on the device,
+then the masks are applied and the rows sampled or verified. The masks are built on the host between the two,
+so the host builds them while the device runs the forward. When they can be built depends on what the host
+knows at launch:
+
+- Eager (the grammars are current: nothing of theirs is in flight): started at launch, on a worker thread
+  with `concurrent`, else in the step's own thread once the forward is queued. The worker is what lets a
+  CPU "device" overlap too: the forward's tensor ops release the GIL, xgrammar's calls hold it for
+  microseconds each. A step's matchers are touched by the worker alone until `result` joins it; nothing
+  else reads them meanwhile (the drafter's own masks are filled before, the engine advances the grammars
+  after the step is read back).
+- Deferred (overlap scheduling launches a plain step before the one in flight is read back, so each grammar
+  still lacks that step's token): built at `result`, which the engine calls after that read-back.
+
+Each step records whether its masks were ready before the device finished the forward: on a GPU, a CUDA
+event recorded after the forward and not yet reached when the masks are done; on a CPU, whose forward runs in
+the step's own thread, the masks were done before that thread came back from it.
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MaskTiming:
+    """Steps with constrained rows, and those whose masks were ready before the device finished."""
+
+    steps: int = 0
+    ready_first: int = 0
+
+    @property
+    def ready_share(self) -> float | None:
+        return self.ready_first / self.steps if self.steps else None
+
+    def reset(self) -> None:
+        self.steps = self.ready_first = 0
+
+
+class MaskWorker:
+    """One host thread that builds steps' masks; it starts on the first step that asks."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, build: Callable[[], None]) -> Future:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._pool.submit(build)
+
+
+class StepMasks:
+    """Per row of the step that samples under a grammar (by sequence index): its masks, [rows, words] int32,
+    one row per logit row it gets (one; or one per draft-tree node, the grammar after the drafts on the path
+    to it). Build with `for_step`; mark `forward_queued` once the step's logits are queued; read `result`."""
+
+    def __init__(self, jobs: dict[int, Callable[[], torch.Tensor]], timing: MaskTiming,
+                 worker: MaskWorker | None, deferred: bool) -> None:
+        self._jobs = jobs
+        self._timing = timing
+        self.deferred = deferred
+        self._masks: dict[int, torch.Tensor] | None = None
+        self._event = None  # CUDA: recorded after the forward
+        self._forward_queued = False
+        self._ready_first = False
+        self._counted = False
+        self._pending = worker.submit(self._build) if worker is not None and not deferred else None
+
+    @classmethod
+    def for_step(cls, seqs: Sequence, trees: dict, timing: MaskTiming, worker: MaskWorker | None = None,
+                 deferred: bool = False) -> StepMasks | None:
+        """None when no sampling row is constrained. `trees`: sequence index -> its draft tree (tokens,
+        parents); `worker` builds them beside the forward (eager steps only); `deferred` as above."""
+        jobs = {}
+        for i, seq in enumerate(seqs):
+            if seq.sample and seq.grammar is not None:
+                tree = trees.get(i)
+                jobs[i] = (partial(_next_mask, seq.grammar) if tree is None else
+                           partial(seq.grammar.tree_masks, tree.tokens, tree.parents))
+        return cls(jobs, timing, worker, deferred) if jobs else None
+
+    def forward_queued(self, device: torch.device) -> None:
+        """The step's forward and logits are queued: the device is busy with them from here."""
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._event = event
+        self._forward_queued = True
+
+    def result(self) -> dict[int, torch.Tensor]:
+        """The masks by sequence index; the step's one wait for the host's side."""
+        if not self._counted:
+            if self._pending is not None:
+                self._pending.result()  # re-raises what the worker raised
+            else:
+                self._build()
+            self._timing.steps += 1
+            self._timing.ready_first += self._ready_first
+            self._counted = True
+        return self._masks
+
+    def settle(self) -> None:
+        """Waits for the worker, if it has this step's masks in hand (a failed step), without raising."""
+        if self._pending is not None:
+            self._pending.exception()
+
+    def rows(self, index: int, num_rows: int) -> list[torch.Tensor | None]:
+        """Sequence `index`'s masks as one [1, words] tensor per logit row (None per row if unconstrained),
+        for sampling/grammar_mask.mask_logits."""
+        masks = self.result().get(index)
+        return [None] * num_rows if masks is None else list(masks.split(1))
+
+    def _build(self) -> None:
+        self._masks = {i: job() for i, job in self._jobs.items()}
+        self._ready_first = not self._device_done()
+
+    def _device_done(self) -> bool:
+        if not self._forward_queued:
+            return False  # still being queued (or, on a CPU, still running)
+        return self._event is None or self._event.query()
+
+
+def _next_mask(grammar) -> torch.Tensor:
+    """A deferred step's row may belong to a request whose grammar ended on the token just read back: its
+    token is dropped, so any mask does, and xgrammar has none past the end."""
+    return grammar.empty_masks(1) if grammar.terminated else grammar.next_mask()
