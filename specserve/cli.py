@@ -287,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--output-len", type=int, default=128)
     decode.add_argument("--repeats", type=int, default=3)
     decode.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    decode.add_argument("--count-experts", action="store_true",
+                        help="MoE targets: report the distinct experts each layer touches per step")
     decode.add_argument("--out", default=None, help="write results JSON here")
     spec = bench_sub.add_parser("spec", help="speculative decode tok/s and acceptance vs no speculation")
     add_engine_args(spec)
@@ -297,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--prompt-len", type=int, default=128)
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=2)
+    spec.add_argument("--count-experts", action="store_true",
+                      help="MoE targets: report the distinct experts each layer touches per plain and drafting step")
     spec.add_argument("--out", default=None, help="write results JSON here")
     structured = bench_sub.add_parser("structured", help="JSON-schema outputs: tok/s and acceptance, constrained "
                                                         "vs free, speculation off, chain and tree")

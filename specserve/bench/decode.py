@@ -10,6 +10,7 @@ after every step on CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.bench import experts
 from specserve.bench.report import write_report
 from specserve.config import EngineConfig
 from specserve.core import SamplingParams
@@ -219,7 +221,13 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
     out = Path(args.out) if args.out else DEFAULT_OUT
     hw = hardware_info()
 
-    llm = LLM(config=engine_config)
+    counting = getattr(args, "count_experts", False)
+    if counting:
+        experts.check_moe(resolve_model(engine_config).model_cfg)
+    with experts.counting(engine_config) if counting else contextlib.nullcontext() as counts:
+        llm = LLM(config=engine_config)
+    if counts is not None:
+        experts.watch_steps(llm, counts)
     dtype = next(llm.engine.runner.model.parameters()).dtype
     vocab = llm.model_info.model_cfg.vocab_size
     hf = None
@@ -234,6 +242,8 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, prompt_len, vocab, engine_config.random_seed + batch)
         run_specserve(llm, prompts, output_len)  # warm-up: allocator, oneDNN kernel selection, caches
+        if counts is not None:
+            counts.reset()
         if hf is not None:
             run_hf(hf, prompts, output_len, pad)
         ss_runs, hf_runs = [], []
@@ -245,6 +255,8 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
                 r, hf_tokens = _timed(run_hf, hf, prompts, output_len, pad)
                 hf_runs.append(r)
         row = {"batch_size": batch, "specserve": _median(ss_runs), "specserve_runs": ss_runs}
+        if counts is not None:
+            row["experts_touched"] = experts.summary(llm, counts)
         if hf is not None:
             row["hf"] = _median(hf_runs)
             row["hf_runs"] = hf_runs
@@ -275,6 +287,7 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
             "chunked_prefill_size": engine_config.scheduler.chunked_prefill_size,
             "page_size": engine_config.cache.page_size,
             "method": TIMING_METHOD,
+            "experts_touched": experts.__doc__.split("\n\n")[1].replace("\n", " ") if counting else None,
             "greedy_token_agreement": "fraction of output tokens before each sequence's first mismatch, last repeat; "
             "HF's min_new_tokens masks EOS while specserve's ignore_eos emits it and goes on, so a sequence whose "
             "greedy pick is EOS diverges there even when the models agree",
@@ -297,6 +310,8 @@ def _print_row(row: dict) -> None:
     if "hf" in row:
         msg += f", hf {row['hf']['decode_tok_s']:.1f} tok/s (ttft {row['hf']['ttft_s'] * 1e3:.0f} ms), ratio {row['decode_ratio']:.2f}x"
     print(msg, flush=True)
+    if "experts_touched" in row:
+        print(f"  {experts.describe(row['experts_touched'])}", flush=True)
 
 
 def _print_table(report: dict) -> None:
