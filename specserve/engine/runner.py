@@ -165,8 +165,13 @@ class ModelRunner:
         device)."""
         if self.step_sender is not None:
             self.step_sender.send(batch, publish)
-        with self.untimed_gemv():
-            return self._launch(batch, publish)
+        try:
+            with self.untimed_gemv():
+                return self._launch(batch, publish)
+        except Exception:
+            if self.step_sender is not None:  # the next step sends the other ranks every page table whole
+                self.step_sender.resync()
+            raise
 
     @torch.inference_mode()
     def _launch(self, batch: StepBatch, publish: bool) -> StepOutput:

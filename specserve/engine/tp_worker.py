@@ -60,6 +60,10 @@ class StepSender:
         except RuntimeError as exc:  # gloo's error for a peer that is gone
             self.group.fail(f"a step could not reach the other ranks ({exc})")
 
+    def resync(self) -> None:
+        """After a step that failed: the next one sends every page table whole."""
+        self.encoder.resync()
+
     def replicas_agree(self, runner) -> bool:
         """Whether every rank holds the same replicated state as rank 0 (`fingerprint`): they accepted the same
         tokens. For tests and debugging; it synchronises every device."""

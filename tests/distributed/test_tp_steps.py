@@ -1,6 +1,7 @@
 """The step description rank 0 broadcasts: every field the runner reads survives the round trip, a description
 longer than one broadcast's capacity too, and page tables sent as changes rebuild the whole tables on the other
-side over any run of steps (a rank that misses a change stops)."""
+side over any run of steps, random or the scheduler's own (a rank that misses a change stops; a failed step
+makes the next one resend them all)."""
 from __future__ import annotations
 
 import random
@@ -9,6 +10,9 @@ import pytest
 
 from specserve.core import SamplingParams, ScheduledSeq, StepBatch
 from specserve.distributed.steps import CAPACITY, STEP, STOP, StepDecoder, StepDesync, StepEncoder
+from specserve.engine.factory import build_engine_core
+
+from engine_runs import make_prompts, run_staggered, tight_config
 
 
 def _seq(n_tokens: int, **kw) -> ScheduledSeq:
@@ -142,3 +146,34 @@ def test_an_unchanged_step_carries_no_pages_and_a_lost_change_stops_the_rank():
     encoder.encode(grown)  # a description this rank never applies
     with pytest.raises(StepDesync):
         decoder.decode(encoder.encode(StepBatch(grown.seqs[:4], 16)))
+
+
+def test_a_real_run_rebuilds_every_table_and_a_failed_step_resends_them(tiny_checkpoint):
+    """The scheduler's own tables (prompts in chunks, preemption, finishes) through the encoder and a decoder,
+    as rank 0 sends them; a step that fails makes the next description send every table whole."""
+    engine, _ = build_engine_core(tight_config(str(tiny_checkpoint("llama", True)), 160), progress=False)
+    encoder, decoder, sent = StepEncoder(), StepDecoder(), []
+
+    class Sender:  # rank 0's side, without other ranks
+        def send(self, batch, publish):
+            words = encoder.encode(batch, publish)
+            got = decoder.decode(words).batch
+            assert [s.page_ids for s in got.seqs] == [s.page_ids for s in batch.seqs]
+            sent.append((words[6], len(batch.seqs)))  # resend flag, sequences
+
+        resync = encoder.resync
+
+    engine.runner.step_sender = Sender()
+    launch, failed = engine.runner._launch, []
+
+    def fail_once(batch, publish):
+        if len(batch.seqs) > 2 and not failed:
+            failed.append(len(sent) - 1)
+            raise RuntimeError("injected fault")
+        return launch(batch, publish)
+
+    engine.runner._launch = fail_once
+    run_staggered(engine, make_prompts(512), max_tokens=8)
+    at = failed[0]
+    assert sent[at][0] == 0 and sent[at + 1] == (1, 1)  # the first retry, alone, sent whole
+    assert sum(flag for flag, _ in sent) == 2 and engine.scheduler.num_preemptions > 0
