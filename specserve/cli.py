@@ -310,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "no speculation rows)")
     structured.add_argument("--tree", type=int, nargs=3, default=[2, 3, 6], metavar=("TOPK", "STEPS", "TOKENS"))
     structured.add_argument("--max-tokens", type=int, default=160)
+    structured.add_argument("--repeats", type=int, default=1, help="runs of each constrained row (overlap off "
+                                                                   "and on, alternating; the median is reported)")
     structured.add_argument("--out", default=None, help="write results JSON here")
     turns = bench_sub.add_parser("multi-turn", help="conversations replayed turn by turn, prefix caching on and off")
     add_engine_args(turns)
