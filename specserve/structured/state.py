@@ -58,10 +58,8 @@ class GrammarState:
         span. The state is left as it was."""
         forced: list[int] = []
         while len(forced) < limit and not self.matcher.is_terminated():
-            text = self.matcher.find_jump_forward_string() if self.encode is not None else ""
-            tokens = self.encode(text) if text else self._only_allowed()
             taken = 0
-            for token in tokens[: limit - len(forced)]:
+            for token in self._forced_next()[: limit - len(forced)]:
                 if not self.matcher.accept_token(token):
                     break
                 forced.append(token)
@@ -70,6 +68,16 @@ class GrammarState:
                 break
         self.rollback(len(forced))
         return forced
+
+    def _forced_next(self) -> list[int]:
+        """The forced text, encoded; else the one token the mask allows, looked for only where no text is
+        forced and the grammar may end (a lone token without text is a stop token), or without a tokenizer."""
+        if self.encode is None:
+            return self._only_allowed()
+        text = self.matcher.find_jump_forward_string()
+        if text:
+            return self.encode(text)
+        return self._only_allowed() if self.matcher.is_completed() else []
 
     def _only_allowed(self) -> list[int]:
         """[the token], where the grammar allows exactly one token next; else []."""
