@@ -308,6 +308,7 @@ class SpecConfig:
             if drafts <= max(self.chain_lengths, default=0):
                 break
             sizes.append((drafts, levels))
+            tokens = drafts + 1  # a level's top-k may cap the budget: the next size halves what this one verifies
         return tuple(sizes)
 
 

@@ -86,6 +86,19 @@ def test_the_plan_picks_the_tree_size_the_costs_favour(batch, row, best):
     assert sum(s == best for s in shapes[-1000:]) > 900, sorted(set(shapes[-1000:]))
 
 
+@pytest.mark.parametrize("steps,topk,tokens,sizes", [
+    (5, 4, 16, ((15, 5), (7, 3))),
+    (2, 4, 21, ((20, 2), (4, 1))),  # one level holds 4 drafts: halving 10 tokens to 5 makes no new size
+    (2, 8, 64, ((63, 2), (8, 1), (3, 1))),
+    (1, 4, 5, ((4, 1),)),
+    (3, 4, 4, ((3, 3),)),  # no more drafts than the deepest chain: the configured tree alone
+    (3, 1, None, ()),
+])
+def test_tree_sizes_shrink_strictly_for_small_and_odd_shapes(steps, topk, tokens, sizes):
+    spec = SpecConfig("EAGLE3", None, steps, topk, tokens, adaptive=True, policy="goodput")
+    assert spec.tree_sizes == sizes
+
+
 def test_a_trees_tokens_come_from_its_own_counts_by_depth():
     """Two requests with the same mean acceptance: one always reaches depth 2 and stops, the other alternates
     0 and 4 accepted. Per-depth counts tell them apart where the mean could not, and each tree size keeps its
