@@ -219,6 +219,10 @@ def test_the_factory_gives_the_plan_tree_sizes_and_the_pruning_hook(tmp_path, ti
     default = replace(spec, policy="on-off")
     engine, _ = build_engine_core(replace(tight_config(str(path), 400), spec=default), progress=False)
     assert engine.scheduler.draft_prune is None and engine.observer.trees == {11: 4}
+    # Simulated acceptance accepts a drawn depth along the tree: pruning by the head's scores would cap it.
+    simulated = replace(spec, simulate_accept_len=3.0)
+    engine, _ = build_engine_core(replace(tight_config(str(path), 400), spec=simulated), progress=False)
+    assert engine.scheduler.draft_prune is None and engine.observer.trees == {11: 4, 5: 2}
 
 
 @pytest.fixture(scope="module")
