@@ -137,9 +137,19 @@ class ModelRunner:
         self.step_sender = None
         # Grammar masks (structured/step_masks.py): under overlap scheduling a step's are built on a worker
         # thread beside its forward, else after it; either way, whether they were ready first is counted.
-        self.overlap_masks = False
         self.mask_timing = MaskTiming()
         self._mask_worker = MaskWorker()
+        self.overlap_masks = False
+
+    @property
+    def overlap_masks(self) -> bool:
+        return self._overlap_masks
+
+    @overlap_masks.setter
+    def overlap_masks(self, on: bool) -> None:
+        self._overlap_masks = on
+        if self.proposer is not None:  # the search's per-level masks, beside the drafter's forwards
+            self.proposer.mask_worker = self._mask_worker if on else None
 
     @contextlib.contextmanager
     def recording(self, recorder):

@@ -30,6 +30,9 @@ from specserve.speculative.tree import DraftTree
 class Proposer(Protocol):
     # Target layers whose outputs the proposer reads; the runner hands them over through `observe`.
     capture_layers: tuple[int, ...]
+    # Where grammar masks for draft rows are built beside the drafter's forwards (structured/step_masks.py
+    # MaskWorker); None: in the search's own thread.
+    mask_worker: object | None
 
     def propose(self, batch: StepBatch) -> dict[int, DraftTree]:
         """{sequence index: a tree rooted at its last token with exactly `num_draft_tokens` drafts} for every

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -40,6 +41,31 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.grammar_mask import allowed_tokens
 from specserve.speculative.drafters.base import Drafter
 from specserve.speculative.tree import DraftTree, best_first_tree
+from specserve.structured.step_masks import MaskWorker
+
+
+class _LevelMasks:
+    """One search level's grammar masks: built on the worker from the start if there is one, else at
+    `result`."""
+
+    def __init__(self, rows: list[int], jobs: list, worker: MaskWorker | None) -> None:
+        self.rows, self._jobs = rows, jobs
+        self._masks: list[torch.Tensor] | None = None
+        self._pending = worker.submit(self._build) if worker is not None else None
+
+    def _build(self) -> None:
+        self._masks = [job() for job in self._jobs]
+
+    def result(self) -> tuple[list[int], list[torch.Tensor]]:
+        if self._pending is not None:
+            self._pending.result()
+        elif self._masks is None:
+            self._build()
+        return self.rows, self._masks
+
+    def settle(self) -> None:
+        if self._pending is not None:
+            self._pending.exception()
 
 
 def search_depth(num_drafts: int, topk: int, num_steps: int) -> int:
@@ -137,6 +163,9 @@ class TreeProposer:
         self.device = device
         self.capture_layers = drafter.capture_layers
         self._draft_to_target: torch.Tensor | None = None  # every draft id's target id, for grammar masks
+        # Builds each level's grammar masks beside the drafter's forward (under overlap scheduling; None:
+        # in the search's own thread).
+        self.mask_worker: MaskWorker | None = None
 
     def observe(self, captured: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         self.drafter.observe(captured, slot_mapping)
@@ -159,15 +188,23 @@ class TreeProposer:
         if not spec:
             return {}
         seqs = [s for _, s in spec]
-        logits, states = self.drafter.catch_up(seqs, batch.page_size)
         searches = [self._start(j, s, batch.page_size) for j, s in enumerate(seqs)]
         active = list(range(len(searches)))
-        self._grow(searches, active, [[-1] for _ in active], logits, 0)
-        for level in range(1, max(x.depth for x in searches)):
-            active = [j for j in active if searches[j].depth > level]
-            parents = [list(searches[j].frontier) for j in active]
-            logits, states = self._feed(searches, active, level, states)
-            self._grow(searches, active, parents, logits, level)
+        parents = [[-1] for _ in active]
+        # Each level's grammar masks are known before the drafter's forward for it: the worker (if any)
+        # builds them beside it.
+        masks = self._level_masks(searches, active, parents, 0)
+        try:
+            logits, states = self.drafter.catch_up(seqs, batch.page_size)
+            self._grow(searches, active, parents, logits, 0, masks)
+            for level in range(1, max(x.depth for x in searches)):
+                active = [j for j in active if searches[j].depth > level]
+                parents = [list(searches[j].frontier) for j in active]
+                masks = self._level_masks(searches, active, parents, level)
+                logits, states = self._feed(searches, active, level, states)
+                self._grow(searches, active, parents, logits, level, masks)
+        finally:
+            masks.settle()  # no worker may touch the grammars after the search, even a failed one
         return {i: x.tree() for (i, _), x in zip(spec, searches)}
 
     def _start(self, j: int, seq: ScheduledSeq, page_size: int) -> _Search:
@@ -197,10 +234,10 @@ class TreeProposer:
         return self.num_steps
 
     def _grow(self, searches: list[_Search], active: list[int], parents: list[list[int]], logits: torch.Tensor,
-              level: int) -> None:
+              level: int, masks: _LevelMasks) -> None:
         """`logits` has one row per parent, in order; each parent gets its top-k children, or its forced one."""
-        drafting = {j for j in active if level >= len(searches[j].forced)}
-        logits = self._mask_drafts(searches, active, parents, logits.float(), drafting)
+        drafting = self._drafting(searches, active, level)
+        logits = self._mask_drafts(logits.float(), *masks.result())
         top = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
         tokens = self.drafter.to_target_ids(top.indices).tolist()
         values = top.values.tolist()
@@ -212,18 +249,29 @@ class TreeProposer:
                 searches[j].add_forced(level, row)
             row += len(ps)
 
-    def _mask_drafts(self, searches: list[_Search], active: list[int], parents: list[list[int]],
-                     logits: torch.Tensor, drafting: set[int]) -> torch.Tensor:
-        """The draft rows of constrained searches with the tokens their grammar forbids at -inf (read in the
-        draft vocabulary through the drafter's id map). A row whose grammar allows no draft-vocabulary token
-        stays as it is: its drafts are wasted either way, and an all -inf row has no log-softmax."""
-        rows, masks, first = [], [], 0
+    @staticmethod
+    def _drafting(searches: list[_Search], active: list[int], level: int) -> set[int]:
+        return {j for j in active if level >= len(searches[j].forced)}
+
+    def _level_masks(self, searches: list[_Search], active: list[int], parents: list[list[int]], level: int
+                     ) -> _LevelMasks:
+        """The grammar masks of a level's draft rows: the rows (one per parent, in order) of constrained
+        searches, and per such search its rows' masks, the grammar after the path to each parent. The paths
+        are read here; only the grammars are left to the worker."""
+        drafting = self._drafting(searches, active, level)
+        rows, jobs, first = [], [], 0
         for j, ps in zip(active, parents):
             grammar = searches[j].grammar
             if grammar is not None and j in drafting:  # a forced level's row needs no mask
                 rows.extend(range(first, first + len(ps)))
-                masks.append(grammar.path_masks([searches[j].path(p) for p in ps]))
+                jobs.append(partial(grammar.path_masks, [searches[j].path(p) for p in ps]))
             first += len(ps)
+        return _LevelMasks(rows, jobs, self.mask_worker if jobs else None)
+
+    def _mask_drafts(self, logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
+        """The draft rows `rows` (of constrained searches) with the tokens their grammar forbids at -inf (read in
+        the draft vocabulary through the drafter's id map). A row whose grammar allows no draft-vocabulary token
+        stays as it is: its drafts are wasted either way, and an all -inf row has no log-softmax."""
         if not rows:
             return logits
         if self._draft_to_target is None or len(self._draft_to_target) != logits.shape[-1]:

@@ -97,6 +97,11 @@ class SpyGrammar:
         self._built.set()
         return masks
 
+    def path_masks(self, paths):
+        masks = self._state.path_masks(paths)
+        self._log.append(("path masks", threading.current_thread().name))
+        return masks
+
     def tree_masks(self, tokens, parents):
         masks = self._state.tree_masks(tokens, parents)
         self._log.append(("tree masks", threading.current_thread().name))
@@ -160,11 +165,12 @@ def test_a_drafting_step_builds_its_masks_on_the_worker_while_its_forward_runs(t
     log = spied_run(llm, prompts[:2] + prompts[-1:], params[:2] + params[-1:])
     waits = [ok for event, ok in log if event == "forward waited"]
     assert len(waits) >= 3 and all(waits), "each such forward finished only once the masks were built"
-    tree_threads = {thread for event, thread in log if event == "tree masks"}
-    assert tree_threads and threading.main_thread().name not in tree_threads
+    for kind in ("tree masks", "path masks"):  # the verify's, and the draft search's per level
+        threads = {thread for event, thread in log if event == kind}
+        assert threads and threading.main_thread().name not in threads, kind
     off = spied_run(make_llm(tiny_chat_model, head_dir, "tree", overlap=False), prompts[:2], params[:2])
     assert not any(event == "forward waited" for event, _ in off)
-    assert {thread for event, thread in off if event == "tree masks"} == {threading.main_thread().name}
+    assert {thread for event, thread in off if event.endswith("masks")} == {threading.main_thread().name}
 
 
 class FakeGrammar:
