@@ -94,6 +94,15 @@ def _median_run(runs: list[dict]) -> dict:
     return row
 
 
+def _head_name(head: str | None) -> str | None:
+    """The head as the report names it: the bundled one by name, so no local path is written."""
+    from specserve import draft_heads
+
+    if head is not None and Path(head).resolve() == Path(draft_heads.SMOLLM2_HEAD).resolve():
+        return "bundled SmolLM2-135M-Instruct head"
+    return head
+
+
 def _valid(text: str, schema: dict) -> bool:
     import jsonschema
 
@@ -135,7 +144,7 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
         "benchmark": "structured_cpu",
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hardware": hardware_info(),
-        "settings": {"model": engine_config.model_path, "head": args.head, "num_prompts": len(schemas),
+        "settings": {"model": engine_config.model_path, "head": _head_name(args.head), "num_prompts": len(schemas),
                      "batch_size": len(schemas), "max_tokens": args.max_tokens, "greedy": True,
                      "repeats": args.repeats,
                      "method": "one batch of every prompt per row; tok/s = output tokens after each request's "
