@@ -57,6 +57,21 @@ def random_eagle3_head(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def noisy_draft_model(tiny_checkpoint, tmp_path_factory):
+    """A draft model that is the sharded tiny Llama with noise on its weights: some drafts accepted, some not."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("draft-noisy")
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama", True), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * param.std() * 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """The embedded SmolLM2-135M-Instruct, converted from its GGUF once per test session."""
     from specserve.models.gguf import cached_conversion, find_embedded_gguf
@@ -81,4 +96,16 @@ def tiny_chat_model(tmp_path_factory, smollm2_dir):
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_head(tiny_chat_model, tmp_path_factory):
+    """A random EAGLE-3 head for the tiny chat model, sharp enough that its drafts differ per prompt."""
+    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
+
+    path = tmp_path_factory.mktemp("tiny-chat-eagle3")
+    head = load_eagle3_head(None, read_model_config(tiny_chat_model), torch.float32, torch.device("cpu"), 1024,
+                            seed=3, draft_vocab_size=16000, logit_std=10.0)
+    save_eagle3_head(head, path)
     return path

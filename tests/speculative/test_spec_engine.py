@@ -24,24 +24,14 @@ def unrelated_draft(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_checkpoint, random_eagle3_head, tmp_path_factory):
+def drafts(tiny_checkpoint, random_eagle3_head, noisy_draft_model):
     """The three drafts the greedy check runs with: a random EAGLE-3 head (almost nothing accepted), a
     copy of the target (almost everything), and a noisy copy of the target (in between)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     target = tiny_checkpoint("llama", True)
-    noisy_dir = tmp_path_factory.mktemp("draft-noisy")
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * param.std() * 0.05)
-    model.save_pretrained(noisy_dir)
     return {
         "eagle3-random": ("EAGLE3", random_eagle3_head),
         "copy": ("DRAFT_MODEL", target),
-        "noisy-copy": ("DRAFT_MODEL", noisy_dir),
+        "noisy-copy": ("DRAFT_MODEL", noisy_draft_model),
     }
 
 

@@ -130,18 +130,6 @@ def test_forced_drafts_switch_off_leaves_steps_as_they_were():
         assert scheduler.schedule().seqs[0].forced_token_ids == []
 
 
-@pytest.fixture(scope="module")
-def head_dir(tiny_chat_model, tmp_path_factory):
-    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
-
-    path = tmp_path_factory.mktemp("tiny-chat-eagle3-forced")
-    target = read_model_config(tiny_chat_model)
-    head = load_eagle3_head(None, target, torch.float32, torch.device("cpu"), 1024, seed=3,
-                            draft_vocab_size=16000, logit_std=10.0)
-    save_eagle3_head(head, path)
-    return path
-
-
 def run(llm, prompts, params) -> tuple[list, int]:
     """The outputs, and the engine steps the batch took."""
     trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
@@ -153,14 +141,14 @@ def run(llm, prompts, params) -> tuple[list, int]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_chat_model, head_dir):
+def runs(tiny_chat_model, tiny_chat_head):
     """Per configuration and forced drafts on or off: the greedy requests alone (their steps), then a batch of
     the sampled requests with an unconstrained one."""
     from specserve.llm import LLM
 
     results = {}
     for name, shape in CONFIGS.items():
-        spec = {"spec": SpecConfig("EAGLE3", str(head_dir), *shape)} if shape else {}
+        spec = {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), *shape)} if shape else {}
         llm = LLM(model=str(tiny_chat_model), max_total_tokens=4096, **spec)
         for forced in (True, False) if name == "off" else (True,):
             with envs.override(forced_drafts=forced):

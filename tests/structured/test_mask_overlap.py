@@ -21,23 +21,11 @@ CONFIGS = {"off": None, "chain": (3, 1, None), "tree": (3, 2, 6)}
 FREE = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def head_dir(tiny_chat_model, tmp_path_factory):
-    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
-
-    path = tmp_path_factory.mktemp("tiny-chat-eagle3-overlap")
-    target = read_model_config(tiny_chat_model)
-    head = load_eagle3_head(None, target, torch.float32, torch.device("cpu"), 1024, seed=3,
-                            draft_vocab_size=16000, logit_std=10.0)
-    save_eagle3_head(head, path)
-    return path
-
-
-def make_llm(tiny_chat_model, head_dir, config: str, overlap: bool):
+def make_llm(tiny_chat_model, tiny_chat_head, config: str, overlap: bool):
     from specserve.llm import LLM
 
     shape = CONFIGS[config]
-    spec = {"spec": SpecConfig("EAGLE3", str(head_dir), *shape)} if shape else {}
+    spec = {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), *shape)} if shape else {}
     llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, **spec)
     llm.engine.overlap = overlap
     return llm
@@ -61,14 +49,15 @@ def run(llm, prompts, params):
 
 
 @pytest.mark.parametrize("config, forced", [("off", False), ("chain", True), ("tree", False)])
-def test_greedy_outputs_are_the_same_with_overlap_on_and_off(tiny_chat_model, head_dir, switches, config, forced):
+def test_greedy_outputs_are_the_same_with_overlap_on_and_off(tiny_chat_model, tiny_chat_head, switches, config,
+                                                              forced):
     """With grammar-forced drafts on, constrained steps wait for the step in flight (engine.py); off, plain
     ones are split."""
     switches(forced_drafts=forced)
     prompts, params = mixed_batch()
     outputs = {}
     for overlap in (False, True):
-        llm = make_llm(tiny_chat_model, head_dir, config, overlap)
+        llm = make_llm(tiny_chat_model, tiny_chat_head, config, overlap)
         outputs[overlap] = run(llm, prompts, params)
         timing = llm.engine.runner.mask_timing
         assert timing.steps > 0 and 0 <= timing.ready_first <= timing.steps
@@ -145,22 +134,22 @@ def spied_run(llm, prompts, params):
     return log
 
 
-def test_a_plain_step_builds_its_masks_after_the_step_before_is_read_back(tiny_chat_model, head_dir, switches):
+def test_a_plain_step_builds_its_masks_after_the_step_before_is_read_back(tiny_chat_model, tiny_chat_head, switches):
     switches(forced_drafts=False)
-    llm = make_llm(tiny_chat_model, head_dir, "off", overlap=True)
+    llm = make_llm(tiny_chat_model, tiny_chat_head, "off", overlap=True)
     log = spied_run(llm, ["Say something."], [SamplingParams(max_tokens=20, temperature=0.0,
                                                                constraint=Constraint("regex", REGEX))])
     kinds = [event for event, _ in log]
     # Step N+1's forward, then N's token read back into the grammar, then N+1's mask: the split step.
     split = [i for i in range(len(kinds) - 2) if kinds[i:i + 3] == ["forward", "accept", "mask"]]
     assert len(split) >= 5, kinds
-    off = spied_run(make_llm(tiny_chat_model, head_dir, "off", overlap=False), ["Say something."],
+    off = spied_run(make_llm(tiny_chat_model, tiny_chat_head, "off", overlap=False), ["Say something."],
                     [SamplingParams(max_tokens=20, temperature=0.0, constraint=Constraint("regex", REGEX))])
     assert "forward accept mask" not in " ".join(e for e, _ in off), "without overlap each step is whole"
 
 
-def test_a_drafting_step_builds_its_masks_on_the_worker_while_its_forward_runs(tiny_chat_model, head_dir):
-    llm = make_llm(tiny_chat_model, head_dir, "tree", overlap=True)
+def test_a_drafting_step_builds_its_masks_on_the_worker_while_its_forward_runs(tiny_chat_model, tiny_chat_head):
+    llm = make_llm(tiny_chat_model, tiny_chat_head, "tree", overlap=True)
     prompts, params = mixed_batch()
     log = spied_run(llm, prompts[:2] + prompts[-1:], params[:2] + params[-1:])
     waits = [ok for event, ok in log if event == "forward waited"]
@@ -168,7 +157,7 @@ def test_a_drafting_step_builds_its_masks_on_the_worker_while_its_forward_runs(t
     for kind in ("tree masks", "path masks"):  # the verify's, and the draft search's per level
         threads = {thread for event, thread in log if event == kind}
         assert threads and threading.main_thread().name not in threads, kind
-    off = spied_run(make_llm(tiny_chat_model, head_dir, "tree", overlap=False), prompts[:2], params[:2])
+    off = spied_run(make_llm(tiny_chat_model, tiny_chat_head, "tree", overlap=False), prompts[:2], params[:2])
     assert not any(event == "forward waited" for event, _ in off)
     assert {thread for event, thread in off if event.endswith("masks")} == {threading.main_thread().name}
 
@@ -212,8 +201,8 @@ def test_ready_first_counts_masks_done_before_the_forward_was():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["off", "chain"])
-def test_on_a_gpu_overlap_gives_the_same_greedy_outputs_and_times_masks_by_event(tiny_chat_model, head_dir, switches,
-                                                                                   config):
+def test_on_a_gpu_overlap_gives_the_same_greedy_outputs_and_times_masks_by_event(tiny_chat_model, tiny_chat_head,
+                                                                                 switches, config):
     """Overlap is on by default on a GPU: plain constrained steps (graphs' logits, sampled after the read-back;
     forced drafts off, so that they are split) and drafting ones (masks on the worker) give the synchronous
     engine's outputs; every step with constrained rows is timed against the CUDA event behind its forward."""
@@ -223,7 +212,7 @@ def test_on_a_gpu_overlap_gives_the_same_greedy_outputs_and_times_masks_by_event
 
     prompts, params = mixed_batch()
     shape = CONFIGS[config]
-    spec = {"spec": SpecConfig("EAGLE3", str(head_dir), *shape)} if shape else {}
+    spec = {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), *shape)} if shape else {}
     llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, device="cuda", **spec)
     assert llm.engine.overlap
     overlapped = run(llm, prompts, params)

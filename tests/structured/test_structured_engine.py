@@ -9,7 +9,6 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
 from specserve.bench.schemas import SCHEMAS
 from specserve.config import SpecConfig
@@ -19,18 +18,6 @@ REGEX = r"(yes|no), [a-z]{2,5} [0-9]{1,3}\."
 EBNF = 'root ::= "(" item ("," item){0,3} ")"\nitem ::= [a-c] | [0-9] [0-9]?'
 FREE_PROMPTS = ["Tell me a story.", "1, 2, 3,"]
 CONFIGS = {"off": None, "chain": (3, 1, None), "tree": (3, 2, 6)}
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_chat_model, tmp_path_factory):
-    from specserve.models.loader import load_eagle3_head, read_model_config, save_eagle3_head
-
-    path = tmp_path_factory.mktemp("tiny-chat-eagle3")
-    target = read_model_config(tiny_chat_model)
-    head = load_eagle3_head(None, target, torch.float32, torch.device("cpu"), 1024, seed=3,
-                            draft_vocab_size=16000, logit_std=10.0)
-    save_eagle3_head(head, path)
-    return path
 
 
 # Sampled requests with speculation: the chain takes the even schemas, the tree the odd ones (verifying sampled
@@ -64,14 +51,14 @@ def run(llm, prompts, params):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_chat_model, head_dir):
+def runs(tiny_chat_model, tiny_chat_head):
     """Per configuration: one batch of the schema suite (greedy, then sampled), the regex, EBNF and JSON-object
     requests, and unconstrained requests; and the unconstrained requests alone."""
     from specserve.llm import LLM
 
     results = {}
     for name, shape in CONFIGS.items():
-        spec = {"spec": SpecConfig("EAGLE3", str(head_dir), *shape)} if shape else {}
+        spec = {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), *shape)} if shape else {}
         llm = LLM(model=str(tiny_chat_model), max_total_tokens=16384, **spec)
         every = list(range(len(SCHEMAS)))
         prompts = [prompt(i) for i in every + SAMPLED[name]]
