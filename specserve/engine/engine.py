@@ -96,7 +96,8 @@ class StepObserver(Protocol):
 
     def observe_other_step(self) -> None: ...
 
-    def observe_acceptance(self, request: Request, drafted: int, accepted: int) -> None: ...
+    def observe_acceptance(self, request: Request, drafted: int, accepted: int, depth: int | None = None
+                           ) -> None: ...
 
 
 class EngineCore:
@@ -232,7 +233,7 @@ class EngineCore:
             return deltas + self._step_each_alone(batch)
         self.timer.step_read(batch.kind)
         with self.timer.phase("postprocess"):
-            return deltas + self._postprocess(batch, sampled, logprobs=output.logprobs())
+            return deltas + self._postprocess(batch, sampled, logprobs=output.logprobs(), verified=output.verified)
 
     def time_phases(self, timer) -> None:
         """Times each step's phases into `timer` (a PhaseTimer), runner phases included. With overlap the
@@ -334,19 +335,22 @@ class EngineCore:
                            s.allocator.num_cached)
 
     def _postprocess(self, batch: StepBatch, sampled: list[list[int]], requests: list[Request] | None = None,
-                     reserve: int = 0, logprobs: list[list[TokenLogprob] | None] | None = None
-                     ) -> list[TokenDelta]:
+                     reserve: int = 0, logprobs: list[list[TokenLogprob] | None] | None = None,
+                     verified: list[tuple[int, int] | None] | None = None) -> list[TokenDelta]:
         """`requests`: the batch's, for a step read back late (any may have finished since: their tokens are
-        dropped); `reserve` as in `_read_back`; `logprobs`: per sampling sequence, its tokens' (or None)."""
+        dropped); `reserve` as in `_read_back`; `logprobs`: per sampling sequence, its tokens' (or None);
+        `verified`: per sampling sequence, the (drafts, depth) its tree kept (StepOutput.verified), if known."""
         deltas = []
         results = iter(sampled)
         token_logprobs = iter(logprobs or [None] * len(sampled))
+        shapes = iter(verified or [None] * len(sampled))
         for i, seq in enumerate(batch.seqs):
             request = self.scheduler.requests[seq.request_id] if requests is None else requests[i]
             if request.finished:
                 if seq.sample:
                     next(results)
                     next(token_logprobs)
+                    next(shapes)
                 continue
             if batch.follow is not None:  # the step's root was the host's newest known token
                 request.num_draft_computed_tokens = request.num_computed_tokens + 1
@@ -355,7 +359,7 @@ class EngineCore:
             if not seq.sample:
                 request.num_computed_tokens += len(seq.token_ids)
                 continue
-            tokens, rows = next(results), next(token_logprobs)
+            tokens, rows, shape = next(results), next(token_logprobs), next(shapes)
             accepted_drafts = len(tokens) - 1
             # KV is kept for the step's own tokens and the accepted drafts; the bonus token has none yet.
             request.num_computed_tokens += len(seq.token_ids) + accepted_drafts
@@ -367,13 +371,18 @@ class EngineCore:
             # without a drafter); the plan learns only from the drafter's own, which follow them in the chain.
             forced = len(seq.forced_token_ids)
             drafted = seq.num_draft_tokens + forced
+            # What pruning left of the drafter's tree: drafts it cut were never verified, and its depths past
+            # the tree's were never reached, so neither counts as a rejection.
+            depth = None
+            if shape is not None:
+                drafted, depth = min(drafted, shape[0]), shape[1] - forced
             if drafted:
                 request.num_spec_steps += 1
                 request.num_drafted_tokens += drafted
                 request.num_accepted_tokens += emitted_drafts
             if seq.num_draft_tokens and self.observer is not None and accepted_drafts >= forced:
                 # how well the drafter guesses, stop or not
-                self.observer.observe_acceptance(request, seq.num_draft_tokens, accepted_drafts - forced)
+                self.observer.observe_acceptance(request, seq.num_draft_tokens, accepted_drafts - forced, depth)
             if not request.finished:
                 self.scheduler.trim(request, reserve)
             spec = (drafted, emitted_drafts) if drafted else (0, None)
@@ -406,7 +415,7 @@ class EngineCore:
                 self.scheduler.finish(request, FinishReason.ERROR)
                 deltas.append(_delta(request, []))
                 continue
-            deltas.extend(self._postprocess(alone, sampled, logprobs=output.logprobs()))
+            deltas.extend(self._postprocess(alone, sampled, logprobs=output.logprobs(), verified=output.verified))
         return deltas
 
     def _finish_reason(self, request: Request, token: int, num_tokens: int) -> FinishReason | None:

@@ -33,9 +33,13 @@ class StepOutput:
 
     def __init__(self, ready: list[list[int]] | None = None, device_tokens: torch.Tensor | None = None,
                  placeholders: list[int] | None = None, program_width: int | None = None,
-                 logprobs: "list[list[TokenLogprob] | None] | PlainLogprobs | None" = None) -> None:
+                 logprobs: "list[list[TokenLogprob] | None] | PlainLogprobs | None" = None,
+                 verified: list[tuple[int, int] | None] | None = None) -> None:
         self._ready = ready
         self._logprobs = logprobs
+        # Per sampling sequence of a step that searched its drafts on the host: (drafts, depth) of the tree it
+        # verified, which pruning may have cut below what was scheduled (None: nothing drafted).
+        self.verified = verified
         self.placeholders = placeholders
         # A chain or tree program's step: device_tokens are its packed rows (speculative/programs/base.py: unpack), and a
         # following step may continue it on the device (Scheduler.follow) with this many tokens per row.
@@ -269,7 +273,8 @@ class ModelRunner:
             plain = [i for i, _, _ in spans]
             return self._sample_plain([seqs[i] for i in plain], logits, publish, masks, plain)
         tokens, logprobs = self._choose(seqs, trees, logits, spans, batch.page_size, masks)
-        return StepOutput(ready=tokens, logprobs=logprobs)
+        verified = [(len(trees[i].tokens) - 1, max(trees[i].depths())) if i in trees else None for i, _, _ in spans]
+        return StepOutput(ready=tokens, logprobs=logprobs, verified=verified)
 
     def _sample_plain(self, seqs, logits: torch.Tensor, publish: bool, masks: StepMasks | None = None,
                       indices=()) -> StepOutput:

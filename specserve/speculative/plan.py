@@ -401,12 +401,13 @@ class AdaptivePlan:
         """A step that computed prompt tokens: the next decode step starts a new streak."""
         self._planned = self._observed = None
 
-    def observe_acceptance(self, request: Request, drafted: int, accepted: int) -> None:
-        """Called after the request's counters took this step in."""
+    def observe_acceptance(self, request: Request, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """Called after the request's counters took this step in. `drafted`: the shape scheduled; `depth`: how
+        deep its verified tree was, if pruning may have cut it (positions past it were not drafted)."""
         if drafted > 0:
             request.steps_since_drafting = 0
         if self.choosing:
-            self._count_positions(request, drafted, accepted)
+            self._count_positions(request, drafted, accepted, depth)
         # Fewer drafts than planned: cut by the room the request has left, which caps its acceptance too. Such
         # steps end every request, all at once at the end of a wave of like requests, and would drag the
         # recent mean (the new requests' prior) under the break-even just as the next wave starts.
@@ -414,7 +415,7 @@ class AdaptivePlan:
             weight = self.config.smoothing
             self.mean_accept_len = (1 - weight) * self.mean_accept_len + weight * (1.0 + accepted)
 
-    def _count_positions(self, request: Request, drafted: int, accepted: int) -> None:
+    def _count_positions(self, request: Request, drafted: int, accepted: int, verified_depth: int | None) -> None:
         """Per depth: reached (all drafts before it accepted) and kept; the recent mean per depth too. A tree
         counts under its size; one cut short of a size by the room left (a request's last steps) does not."""
         if self._is_tree(drafted):
@@ -429,7 +430,8 @@ class AdaptivePlan:
             reached.append(0)
             kept.append(0)
         weight = self.config.smoothing
-        for j in range(min(accepted + 1, depth)):
+        reached_depth = depth if verified_depth is None else min(depth, verified_depth)
+        for j in range(min(accepted + 1, reached_depth)):
             hit = j < accepted
             reached[j] += 1
             kept[j] += hit

@@ -59,8 +59,9 @@ class SglangTiers:
     def observe_other_step(self) -> None:
         pass
 
-    def observe_acceptance(self, request: Request, drafted: int, accepted: int) -> None:
-        """Only full drafts of the step's shape count: fewer were cut by the room the request had left."""
+    def observe_acceptance(self, request: Request, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """Only full drafts of the step's shape count: fewer were cut by the room the request had left. (Its
+        trees are never pruned, so `depth` is the shape's.)"""
         if drafted > 0 and drafted == self.drafts:
             rate = accepted / min(drafted, self.depth)
             self.accept_rate = (1 - self.alpha) * self.accept_rate + self.alpha * rate

@@ -118,6 +118,15 @@ def test_a_trees_tokens_come_from_its_own_counts_by_depth():
     assert set(steady.tree_positions) == {15}
 
 
+def test_depths_a_pruned_tree_did_not_reach_are_not_counted_as_misses():
+    plan = AdaptivePlan(15, chains=(1, 2, 3, 4, 5), depth=5, trees=TREES)
+    (request,) = _requests(1)
+    plan.observe_acceptance(request, 15, 2, depth=2)  # pruned to two levels, both accepted
+    plan.observe_acceptance(request, 15, 1, depth=4)  # four levels, the second rejected
+    reached, kept = request.tree_positions[15]
+    assert reached[:3] == [2, 2, 0] and kept[:3] == [2, 1, 0]
+
+
 def test_best_first_pruning_drops_low_scores_and_keeps_every_kept_nodes_ancestors():
     rng = random.Random(0)
     for _ in range(200):
@@ -225,24 +234,9 @@ def test_the_factory_gives_the_plan_tree_sizes_and_the_pruning_hook(tmp_path, ti
     assert engine.scheduler.draft_prune is None and engine.observer.trees == {11: 4, 5: 2}
 
 
-@pytest.fixture(scope="module")
-def noisy_copy(tiny_checkpoint, tmp_path_factory):
-    """A draft model that is the tiny target with noise on its weights: some drafts accepted, some not."""
-    from transformers import AutoModelForCausalLM
-
-    target = tiny_checkpoint("llama", True)
-    path = tmp_path_factory.mktemp("draft-noisy")
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * param.std() * 0.05)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("program", [False, True])
-def test_tree_sizes_and_pruning_are_lossless_mid_request(tmp_path, tiny_checkpoint, noisy_copy, switches, program):
+def test_tree_sizes_and_pruning_are_lossless_mid_request(tmp_path, tiny_checkpoint, noisy_draft_model, switches,
+                                                         program):
     """A tree server (top-2, 4 steps, 11 drafts; trees of 11 and 5, chains of 1-4) under the goodput policy:
     each step each request drafts a budget drawn at random and prunes its tree at a random floor, while
     requests arrive, are preempted and finish. Greedy output equals plain greedy: by the general search with a
@@ -258,7 +252,7 @@ def test_tree_sizes_and_pruning_are_lossless_mid_request(tmp_path, tiny_checkpoi
         write_peaked_random_head(target, tmp_path)
         spec = SpecConfig("EAGLE3", str(tmp_path), 4, 2, 12, adaptive=True, policy="goodput")
     else:
-        spec = SpecConfig("DRAFT_MODEL", str(noisy_copy), 4, 2, 12, adaptive=True, policy="goodput")
+        spec = SpecConfig("DRAFT_MODEL", str(noisy_draft_model), 4, 2, 12, adaptive=True, policy="goodput")
     engine, _ = build_engine_core(replace(config, spec=spec), progress=False)
     rng = random.Random(1)
     engine.scheduler.draft_plan = lambda request: rng.choice([1, 3, 5, 8, 11])
@@ -273,6 +267,10 @@ def test_tree_sizes_and_pruning_are_lossless_mid_request(tmp_path, tiny_checkpoi
         return out
     engine.runner.proposer.propose = watched
     accepted = count_accepted(engine)
+    observed = []  # (accepted, verified depth) the plan was told, per drafting request and step
+    observe = engine.observer.observe_acceptance
+    engine.observer.observe_acceptance = lambda r, d, a, depth=None: (observed.append((a, depth)),
+                                                                      observe(r, d, a, depth))
     outputs, _ = run_staggered(engine, prompts)
     assert outputs == expected
     assert engine.scheduler.allocator.num_used == 0 and engine.scheduler.num_preemptions > 0
@@ -284,6 +282,8 @@ def test_tree_sizes_and_pruning_are_lossless_mid_request(tmp_path, tiny_checkpoi
         assert max(depth for scheduled, _, depth in trees if scheduled == 5) == 2
         assert max(depth for scheduled, _, depth in trees if scheduled == 11) > 2
         assert max(accepted) >= 3, accepted
+        assert all(depth is not None and a <= depth for a, depth in observed)
+        assert {depth for _, depth in observed} <= {depth for _, _, depth in trees}
 
 
 @pytest.mark.gpu
