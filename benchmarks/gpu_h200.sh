@@ -18,13 +18,15 @@
 #   moe         the MoE shapes (Qwen3-30B-A3B, Moonlight-16B-A3B; random bf16 weights route uniformly): decode at
 #               batch 1-32, and on the Qwen shape plain against a chain of 3 at simulated tau 3 (spec_off_tax.py)
 #   policy3     issue 47's shape-choice set at simulated tau 3 / 4 (policy3a, policy3b: its halves); policy1: at tau 1
+#   structured  (only when named) JSON-schema constraints on the 8B shape at batch 1 and 64 (STRUCTURED_TOKENIZER)
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep]
-#        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [tp1] [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
+#        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [structured] [tp1]
+#        [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
 #        [decisions]
-#        (none: all but decisions and tp1)
+#        (none: all but decisions, structured and tp1)
 #        WAVES_MODEL=qwen3-30b-a3b WAVES_TAG=qwen3_30b SWEEP_LOW=1 SWEEP_HIGH=10,30,100,250: the MoE waves
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +117,17 @@ fi
 #   git archive ab5dc3e^ specserve ':!specserve/draft_heads/*/*.safetensors' | tar -x -C TP_BASE
 if [[ $modes == *" tp1 "* ]]; then  # only when named: it needs TP_BASE
   python3 benchmarks/compare_revisions.py --base "${TP_BASE:?TP_BASE: a copy of the package before TP}" --out "$OUT"
+fi
+# Issue 48's figures: JSON-schema constraints against free text, at batch 1 and 64, speculation off, chain and
+# tree (random head), overlap off and on. A shipped config has no tokenizer: STRUCTURED_TOKENIZER names a copy
+# of SmolLM2's (tokenizer.json, tokenizer_config.json, chat_template.jinja), whose ids all lie inside the 8B
+# vocabulary. Random weights write random JSON until the grammar ends it or max_tokens cuts it.
+if [[ $modes == *" structured "* ]]; then  # only when named: it needs STRUCTURED_TOKENIZER
+  for bs in 1 64; do
+    python3 -m specserve.cli bench structured --device cuda --model-path llama-3.1-8b --load-format dummy \
+      --dtype bfloat16 --context-length 2048 --tokenizer-path "${STRUCTURED_TOKENIZER:?a tokenizer directory}" \
+      --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 2 --out "$OUT/structured_8b_bs${bs}_h200.json"
+  done
 fi
 if want tax; then
   python3 benchmarks/spec_off_tax.py --profile --host-profile --out "$OUT/spec_off_tax_h200.json"

@@ -306,9 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "vs free, speculation off, chain and tree")
     add_engine_args(structured)
     structured.add_argument("--head", default=None, help="EAGLE-3 head for the chain and tree rows (default: "
-                                                         "the bundled SmolLM2 head for the bundled model; none: "
-                                                         "no speculation rows)")
+                                                         "the bundled SmolLM2 head for the bundled model; 'random': a "
+                                                         "random head, with --load-format dummy; none: no "
+                                                         "speculation rows)")
     structured.add_argument("--tree", type=int, nargs=3, default=[2, 3, 6], metavar=("TOPK", "STEPS", "TOKENS"))
+    structured.add_argument("--batch-size", type=int, default=None,
+                            help="requests per batch: the suite cycled to whole batches (default: the suite as one)")
     structured.add_argument("--max-tokens", type=int, default=160)
     structured.add_argument("--repeats", type=int, default=1, help="runs of each constrained row (overlap off "
                                                                    "and on, alternating; the median is reported)")

