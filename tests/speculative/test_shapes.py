@@ -15,6 +15,7 @@ from specserve.speculative.programs.shapes import ShapePrograms
 from specserve.speculative.tiers import SglangTiers
 
 from engine_runs import make_prompts, run_staggered, tight_config
+from plan_drives import drive_plan
 from tiny_checkpoints import write_peaked_random_head
 
 
@@ -95,29 +96,10 @@ CHAIN = lambda b, d: 11.0 + 0.02 * b + 0.03 * b * (d + 1)  # noqa: E731  (verifi
 
 
 def _drive_shapes(plan: AdaptivePlan, requests, accept, steps: int = 3000, seed: int = 0):
-    """Pure decode steps through the plan; accept(request, j) is the chance that draft position j is accepted
-    when all before it were. A step costs CHAIN at its deepest row. Returns tokens per second and the steps'
-    deepest rows."""
-    rng = random.Random(seed)
-    tokens, seconds, depths = 0.0, 0.0, []
-    for _ in range(steps):
-        drafts = plan.step_drafts(requests)
-        chosen = [plan.num_drafts(r) if drafts else 0 for r in requests]
-        for request, k in zip(requests, chosen):
-            accepted = 0
-            while accepted < k and rng.random() < accept(request, accepted):
-                accepted += 1
-            if k:
-                request.num_spec_steps += 1
-                request.num_accepted_tokens += accepted
-                plan.observe_acceptance(request, k, accepted)
-            tokens += 1 + accepted
-        deepest = max(chosen)
-        cost = CHAIN(len(requests), deepest) if deepest else PLAIN(len(requests))
-        plan.observe_step(deepest > 0, len(requests), cost)
-        seconds += cost
-        depths.append(deepest)
-    return tokens / seconds, depths
+    """accept(request, j): the chance that draft position j is accepted when all before it were. A step costs
+    CHAIN at its deepest row."""
+    cost = lambda batch, deepest: CHAIN(batch, deepest) if deepest else PLAIN(batch)  # noqa: E731
+    return drive_plan(plan, requests, lambda request, k, j: accept(request, j), lambda k: k, cost, steps, seed)
 
 
 def _static_rate(batch: int, probs: list[float], depth: int) -> float:

@@ -18,6 +18,7 @@ from specserve.speculative.tree import best_first_tree
 from specserve.speculative.verify import verify
 
 from engine_runs import count_accepted, make_prompts, run_staggered, tight_config
+from plan_drives import drive_plan
 from tiny_checkpoints import write_peaked_random_head
 
 TREES = ((15, 5), (7, 3))  # SpecConfig(num_steps=5, eagle_topk=4, num_draft_tokens=16).tree_sizes under goodput
@@ -40,28 +41,9 @@ def _depth(drafts: int) -> int:
 
 
 def _drive(plan: AdaptivePlan, requests, row: float, steps: int = 3000, seed: int = 0):
-    """Pure decode steps through the plan, each costing STEP at its deepest row's shape; a request accepts
-    depth by depth with `_accept`. Returns tokens per second and each step's shape."""
-    rng = random.Random(seed)
-    tokens, seconds, shapes = 0.0, 0.0, []
-    for _ in range(steps):
-        drafts = plan.step_drafts(requests)
-        chosen = [plan.num_drafts(r) if drafts else 0 for r in requests]
-        for request, k in zip(requests, chosen):
-            accepted = 0
-            while accepted < _depth(k) and rng.random() < _accept(k, accepted):
-                accepted += 1
-            if k:
-                request.num_spec_steps += 1
-                request.num_accepted_tokens += accepted
-                plan.observe_acceptance(request, k, accepted)
-            tokens += 1 + accepted
-        deepest = max(chosen)
-        cost = STEP(len(requests), deepest, row) if deepest else PLAIN(len(requests))
-        plan.observe_step(deepest > 0, len(requests), cost)
-        seconds += cost
-        shapes.append(deepest)
-    return tokens / seconds, shapes
+    """Steps each costing STEP at its deepest row's shape; a request accepts depth by depth with `_accept`."""
+    cost = lambda batch, deepest: STEP(batch, deepest, row) if deepest else PLAIN(batch)  # noqa: E731
+    return drive_plan(plan, requests, lambda request, k, j: _accept(k, j), _depth, cost, steps, seed)
 
 
 def _static_rate(batch: int, drafts: int, row: float) -> float:
