@@ -33,7 +33,7 @@ STEP, STOP, AUDIT = 1, 2, 3
 CAPACITY = 4096
 # op, length, page size, publish, sequences, follow length (-1: none), resend (1: tables whole), checksum
 _HEADER = 8
-_SEQ_WORDS = 14  # each sequence's fixed fields (`StepEncoder._encode_seq`), before its settings and lists
+_SEQ_WORDS = 15  # each sequence's fixed fields (`StepEncoder._encode_seq`), before its settings and lists
 _SETTINGS_WORDS = 11  # `_settings`' fixed fields
 _SEED_MOD = 2**63 - 1  # draw_seed works modulo this, so a seed's residue draws the same
 _CHECK_MASK = 2**63 - 1
@@ -163,7 +163,7 @@ class StepEncoder:
         history = s.history[: s.start_pos + len(s.token_ids)] if s.history is not None else None
         words += [key, kept, len(new_pages), int(not same_settings), len(s.token_ids), s.start_pos, int(s.sample),
                   *_optional(s.sample_seed), s.num_draft_tokens, s.draft_start_pos, len(s.draft_catchup_ids),
-                  s.output_index, -1 if history is None else len(history)]
+                  s.output_index, -1 if history is None else len(history), _bits(s.draft_min_prob)]
         bias = ()
         if not same_settings:
             settings, bias = _settings(s.params)
@@ -201,7 +201,7 @@ class StepDecoder:
     def _decode_seq(self, words: list[int], at: int) -> tuple[ScheduledSeq, int]:
         head = words[at:at + _SEQ_WORDS]
         key, kept, n_new, has_settings, n_tok, start, sample, has_sample_seed, sample_seed = head[:9]
-        drafts, draft_start, n_catch, output_index, n_history = head[9:]
+        drafts, draft_start, n_catch, output_index, n_history, min_prob = head[9:]
         at += _SEQ_WORDS
         settings = None
         if has_settings:
@@ -224,7 +224,7 @@ class StepDecoder:
             page_ids, _, params, num_prompt = self._hold(key, kept, new_pages)
         seq = ScheduledSeq("", token_ids, start, page_ids, params, bool(sample),
                            sample_seed if has_sample_seed else None, drafts, draft_start, catch_up, history,
-                           num_prompt, output_index)
+                           num_prompt, output_index, _float(min_prob))
         return seq, at
 
     def _hold(self, key: int, kept: int, new_pages: list[int], params: SamplingParams | None = None,

@@ -275,10 +275,10 @@ def draft_plan(spec: SpecConfig, model_cfg: ModelConfig | None = None) -> Adapti
 
 
 def _draft_prune(config: EngineConfig, adaptive):
-    """The goodput plan's pruning of draft trees by their scores. Not with tensor parallelism: the step
-    descriptions sent to the other ranks do not carry it, and every rank must search the same trees. Nor with
-    simulated acceptance, which accepts a drawn depth along the tree: a tree pruned shallower caps it."""
-    if (isinstance(adaptive, AdaptivePlan) and adaptive.choosing and config.parallel.tp_size == 1
+    """The goodput plan's pruning of draft trees by their scores (under tensor parallelism each step carries
+    the floor, so every rank searches the same trees). Not with simulated acceptance, which accepts a drawn
+    depth along the tree: a tree pruned shallower caps it."""
+    if (isinstance(adaptive, AdaptivePlan) and adaptive.choosing
             and config.spec.simulate_accept_len is None):
         return adaptive.draft_min_prob
     return None

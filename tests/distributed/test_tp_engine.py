@@ -3,6 +3,7 @@ equals HF's (which --tp-size 1 is held to in tests/models), and speculation stay
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import replace
 
 import pytest
@@ -78,24 +79,35 @@ def _spec_engine(tmp_path, tiny_checkpoint, shape: str, **spec):
 
 @pytest.mark.parametrize("shape,program,overlap,policy", [
     ("chain", True, False, None), ("chain", True, True, None), ("tree", True, True, None),
-    ("tree", False, False, None), ("tree", True, True, "goodput")])
+    ("tree", False, False, None), ("tree", True, True, "goodput"), ("tree", False, False, "goodput")])
 def test_speculation_with_two_ranks_is_lossless(tmp_path, tiny_checkpoint, switches, shape, program, overlap,
                                                 policy):
     """The chain and tree programs (overlapped: each drafting step follows the one in flight on the device), the
-    general tree search, and the goodput policy choosing among chains and the tree per step: HF's output, and
-    every rank accepted what rank 0 accepted (their replicated head KV, taps and program state are identical)."""
+    general tree search, and the goodput policy choosing among chains and the tree per step (through the general
+    search, pruning trees by their draft scores): HF's output, and every rank accepted what rank 0 accepted
+    (their replicated head KV, taps and program state are identical)."""
     switches(tree_program_on_cpu=program)
     spec = dict(adaptive=True, policy=policy) if policy else {}
     engine, path = _spec_engine(tmp_path, tiny_checkpoint, shape, **spec)
     assert not policy or len(engine.runner.program.chains) > 1  # chains of several depths beside the tree
     engine.overlap = overlap
     prompts = make_prompts(512, seed=4)
+    if policy and not program:  # every step drafts a tree, pruned at a floor drawn per request and step
+        rng = random.Random(1)
+        engine.scheduler.draft_gate = lambda requests: True
+        engine.scheduler.draft_plan = lambda request: 8
+        engine.scheduler.draft_prune = lambda request: rng.choice([0.0, 0.05, 0.3])
+    floors = []  # the pruning floors sent to the other ranks
+    send = engine.runner.step_sender.send
+    engine.runner.step_sender.send = lambda batch, publish: (floors.extend(s.draft_min_prob for s in batch.seqs),
+                                                             send(batch, publish))
     try:
         outputs, _ = run_staggered(engine, prompts)
         agree = engine.runner.step_sender.replicas_agree(engine.runner)
     finally:
         closed(engine)
     assert (engine.runner.program is not None and engine.runner.program.num_runs > 10) == program
+    assert max(floors) > 0 or program or not policy  # the floors drawn above reached the other ranks
     assert outputs == hf_reference(path, seed=4)
     assert agree and engine.scheduler.num_preemptions > 0 and _all_pages_back(engine)
 

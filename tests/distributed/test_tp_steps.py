@@ -29,7 +29,8 @@ def test_a_batch_survives_encoding():
     sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**70 + 3, logprobs=2,
                              presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3,
                              logit_bias={11: -2.5, 12: 100.0}, max_tokens=5, stop=("x",))
-    seqs = [_seq(1, num_draft_tokens=3, draft_start_pos=5, draft_catchup_ids=[8, -3], output_index=4),
+    seqs = [_seq(1, num_draft_tokens=3, draft_start_pos=5, draft_catchup_ids=[8, -3], output_index=4,
+                 draft_min_prob=0.0625),
             ScheduledSeq("s", [-1], 20, [1, 2], sampled, True, 2**62, history=list(range(30)), num_prompt_tokens=9),
             _seq(12, request_id="t")]
     batch = StepBatch(seqs, 16, follow=[1, -1, 0])
@@ -39,7 +40,8 @@ def test_a_batch_survives_encoding():
     assert (got.page_size, got.follow) == (16, [1, -1, 0])
     for a, b in zip(got.seqs, seqs):
         for field in ("token_ids", "start_pos", "page_ids", "sample", "sample_seed", "num_draft_tokens",
-                      "draft_start_pos", "draft_catchup_ids", "num_prompt_tokens", "output_index"):
+                      "draft_start_pos", "draft_catchup_ids", "num_prompt_tokens", "output_index",
+                      "draft_min_prob"):
             assert getattr(a, field) == getattr(b, field), field
     p = got.seqs[1].params
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs) == (0.7, 0.9, 40, 0.05, 2)
@@ -111,7 +113,7 @@ def _expected_words(batch: StepBatch, previous: dict[str, list[int]]) -> int:
         held = previous.get(s.request_id)
         kept = 0 if held is None else next((i for i, (a, b) in enumerate(zip(held, s.page_ids)) if a != b),
                                            min(len(held), len(s.page_ids)))
-        words += 14 + len(s.token_ids) + len(s.page_ids) - kept
+        words += 15 + len(s.token_ids) + len(s.page_ids) - kept
         words += 12 + 2 * len(s.params.logit_bias) if held is None else 0
     return words
 
