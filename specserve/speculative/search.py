@@ -41,7 +41,7 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.grammar_mask import allowed_tokens
 from specserve.speculative.drafters.base import Drafter
 from specserve.speculative.tree import DraftTree, best_first_tree
-from specserve.structured.step_masks import MaskWorker
+from specserve.structured.step_masks import MaskJob, MaskWorker
 
 
 class _LevelMasks:
@@ -51,21 +51,17 @@ class _LevelMasks:
     def __init__(self, rows: list[int], jobs: list, worker: MaskWorker | None) -> None:
         self.rows, self._jobs = rows, jobs
         self._masks: list[torch.Tensor] | None = None
-        self._pending = worker.submit(self._build) if worker is not None else None
+        self._job = MaskJob(self._build, worker)
 
     def _build(self) -> None:
         self._masks = [job() for job in self._jobs]
 
     def result(self) -> tuple[list[int], list[torch.Tensor]]:
-        if self._pending is not None:
-            self._pending.result()
-        elif self._masks is None:
-            self._build()
+        self._job.wait()
         return self.rows, self._masks
 
     def settle(self) -> None:
-        if self._pending is not None:
-            self._pending.exception()
+        self._job.settle()
 
 
 def search_depth(num_drafts: int, topk: int, num_steps: int) -> int:

@@ -58,6 +58,28 @@ class MaskWorker:
         return self._pool.submit(build)
 
 
+class MaskJob:
+    """`build` run on `worker` from now, or (without one) in the caller's thread at the first `wait`."""
+
+    def __init__(self, build: Callable[[], None], worker: MaskWorker | None) -> None:
+        self._build = build
+        self._future = worker.submit(build) if worker is not None else None
+        self._ran = False
+
+    def wait(self) -> None:
+        """Returns once `build` has run; re-raises what it raised."""
+        if self._future is not None:
+            self._future.result()
+        elif not self._ran:
+            self._ran = True
+            self._build()
+
+    def settle(self) -> None:
+        """Waits for the worker, if it has the job in hand (a step given up), without raising."""
+        if self._future is not None:
+            self._future.exception()
+
+
 class StepMasks:
     """Per row of the step that samples under a grammar (by sequence index): its masks, [rows, words] int32,
     one row per logit row it gets (one; or one per draft-tree node, the grammar after the drafts on the path
@@ -73,7 +95,7 @@ class StepMasks:
         self._forward_queued = False
         self._ready_first = False
         self._counted = False
-        self._pending = worker.submit(self._build) if worker is not None and not deferred else None
+        self._job = MaskJob(self._build, None if deferred else worker)
 
     @classmethod
     def for_step(cls, seqs: Sequence, trees: dict, timing: MaskTiming, worker: MaskWorker | None = None,
@@ -99,10 +121,7 @@ class StepMasks:
     def result(self) -> dict[int, torch.Tensor]:
         """The masks by sequence index; the step's one wait for the host's side."""
         if not self._counted:
-            if self._pending is not None:
-                self._pending.result()  # re-raises what the worker raised
-            else:
-                self._build()
+            self._job.wait()
             self._timing.steps += 1
             self._timing.ready_first += self._ready_first
             self._counted = True
@@ -110,8 +129,7 @@ class StepMasks:
 
     def settle(self) -> None:
         """Waits for the worker, if it has this step's masks in hand (a failed step), without raising."""
-        if self._pending is not None:
-            self._pending.exception()
+        self._job.settle()
 
     def rows(self, index: int, num_rows: int) -> list[torch.Tensor | None]:
         """Sequence `index`'s masks as one [1, words] tensor per logit row (None per row if unconstrained),
