@@ -337,8 +337,7 @@ class ModelRunner:
         for i, first, width in spans:
             if i in trees:
                 seq, tree, raw = seqs[i], trees[i], logits[first:first + width]
-                tree_masks = masks.rows(i, width) if masks is not None else [None] * width
-                adjusted = mask_logits(adjust_logits(raw, _tree_contexts(seq, tree)), tree_masks)
+                adjusted = mask_logits(adjust_logits(raw, _tree_contexts(seq, tree)), _seq_masks(masks, i, width))
                 verdict = self._verdict(adjusted, tree, seq)
                 self._compact_kv(seq, verdict.accepted_nodes, page_size)
                 results[i], logprobs[i] = verdict.tokens, _verdict_logprobs(seq, raw, verdict)
@@ -385,9 +384,12 @@ def _forced_chains(batch: StepBatch) -> dict[int, DraftTree]:
 
 def _row_masks(masks: StepMasks | None, indices) -> list:
     """One grammar mask (or None) per sampled row, for the step's sequences `indices`, one row each."""
-    if masks is None:
-        return [None] * len(indices)
-    return [m for i in indices for m in masks.rows(i, 1)]
+    return [m for i in indices for m in _seq_masks(masks, i, 1)]
+
+
+def _seq_masks(masks: StepMasks | None, index: int, num_rows: int) -> list:
+    """Sequence `index`'s grammar mask per logit row (None per row where nothing in the step is constrained)."""
+    return [None] * num_rows if masks is None else masks.rows(index, num_rows)
 
 
 def _tree_contexts(seq, tree) -> list:
