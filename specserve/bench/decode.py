@@ -287,7 +287,7 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
             "chunked_prefill_size": engine_config.scheduler.chunked_prefill_size,
             "page_size": engine_config.cache.page_size,
             "method": TIMING_METHOD,
-            "experts_touched": experts.__doc__.split("\n\n")[1].replace("\n", " ") if counting else None,
+            "experts_touched": experts.NOTE if counting else None,
             "greedy_token_agreement": "fraction of output tokens before each sequence's first mismatch, last repeat; "
             "HF's min_new_tokens masks EOS while specserve's ignore_eos emits it and goes on, so a sequence whose "
             "greedy pick is EOS diverges there even when the models agree",

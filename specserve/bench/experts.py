@@ -13,6 +13,9 @@ import contextlib
 from specserve.config import EngineConfig
 from specserve.layers.moe import ExpertCounts
 
+# What a report's `experts_touched` setting says: the module's second paragraph.
+NOTE = __doc__.split("\n\n")[1].replace("\n", " ")
+
 
 def check_moe(model_cfg) -> None:
     if model_cfg.moe is None:
