@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.layers.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        whole_embedding)
 from specserve.models.loader import build_model, read_model_config
-from tp_forward import sharded_checkpoints, step_logits
+from tp_forward import run_two_ranks, sharded_checkpoints, step_logits
 
 KINDS = ("llama", "llama-mqa", "qwen2", "qwen3-moe", "deepseek-v3", "deepseek-v3-qlora")
 
@@ -52,10 +51,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("tp-out")
-    init = f"file://{out / 'rendezvous'}"
-    mp.spawn(_rank, args=(2, init, [str(checkpoints[k]) for k in KINDS], str(out)), nprocs=2)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return run_two_ranks(_rank, [str(checkpoints[k]) for k in KINDS], tmp_path_factory.mktemp("tp-out"))
 
 
 def test_checkpoints_are_sharded_over_several_files(checkpoints):

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.distributed.ranks import NO_MULTICAST_ENV
-from tp_forward import sharded_checkpoints, step_logits
+from tp_forward import run_two_ranks, sharded_checkpoints, step_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -42,19 +41,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("tp-gpu-out")
-    saved = {key: os.environ.get(key) for key in NO_MULTICAST_ENV}
-    os.environ.update(NO_MULTICAST_ENV)  # inherited by the ranks, before any NCCL communicator exists
-    try:
-        mp.spawn(_rank, args=(2, f"file://{out / 'rendezvous'}", [str(checkpoints[k]) for k in KINDS], str(out)),
-                 nprocs=2)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    # In the ranks' environment before any NCCL communicator exists.
+    return run_two_ranks(_rank, [str(checkpoints[k]) for k in KINDS], tmp_path_factory.mktemp("tp-gpu-out"),
+                         NO_MULTICAST_ENV)
 
 
 @pytest.mark.parametrize("kind", KINDS)

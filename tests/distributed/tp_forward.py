@@ -2,9 +2,12 @@
 (attention metadata and a KV pool sized for the rank), for the tensor-parallel model tests."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.multiprocessing as mp
 
 from specserve.distributed.parallel import TensorParallel, rank_model_config
 from specserve.layers.attention import AttentionMetadata
@@ -42,3 +45,11 @@ def sharded_checkpoints(tmp_path_factory, kinds: tuple[str, ...], prefix: str) -
         paths[kind] = tmp_path_factory.mktemp(f"{prefix}-{kind}")
         write_tiny_checkpoint(kind, paths[kind], sharded=True)
     return paths
+
+
+def run_two_ranks(rank_fn, paths: list[str], out: Path, env: dict[str, str] | None = None) -> list[dict]:
+    """Runs rank_fn(rank, 2, rendezvous, paths, out) in two processes, with `env` added to theirs; returns what
+    each rank saved to out/rank{r}.pt."""
+    with mock.patch.dict(os.environ, env or {}):  # inherited by the ranks
+        mp.spawn(rank_fn, args=(2, f"file://{out / 'rendezvous'}", paths, str(out)), nprocs=2)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
