@@ -5,7 +5,8 @@ through the CLI (`specserve bench`), the versions interleaved per figure:
 - 8B-shape decode at batch 1 (random bf16 weights, 512-token prompt, 128 output tokens);
 - offline waves at C = 1, 10, 100, 250 (random 512-token prompts, 256 output tokens), plain and with the
   adaptive EAGLE-3 chain of 3 at simulated acceptance tau 3.
-It then prints, and writes to OUT/compare_revisions.md, each figure for both versions and their ratio.
+It then prints, and writes to OUT/compare_revisions.md and .json, each figure for both versions and their ratio;
+each run's own report goes to OUT/runs/ (--keep-runs) or to a temporary folder.
 
 The baseline is a copy of the package from another revision (its bundled draft head is not needed here):
     git archive REV specserve ':!specserve/draft_heads/*/*.safetensors' | tar -x -C BASE_DIR
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,13 +79,18 @@ def report(figures: dict[str, dict[str, float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="a folder holding the baseline's specserve package")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the runs and the table")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the table")
+    parser.add_argument("--keep-runs", action="store_true", help="keep each run's report in OUT/runs/")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    figures = measure({"base": Path(args.base).resolve(), "new": ROOT}, out)
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = out / "runs" if args.keep_runs else Path(scratch)
+        runs.mkdir(exist_ok=True)
+        figures = measure({"base": Path(args.base).resolve(), "new": ROOT}, runs)
     table = report(figures)
     (out / "compare_revisions.md").write_text(table)
+    (out / "compare_revisions.json").write_text(json.dumps(figures, indent=1) + "\n")
     print(table)
 
 

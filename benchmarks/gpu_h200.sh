@@ -31,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # CPU reference runs in the GPU tests take the PyTorch paths: building the CPU kernels would cost GPU time,
 # and CI tests those kernels.
 export SPECSERVE_CPU_KERNELS=${SPECSERVE_CPU_KERNELS:-0}
