@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from specserve.config import EngineConfig
-from specserve.engine.factory import build_engine_core, freeze_startup_objects
+from specserve.engine.factory import build_engine_core, freeze_startup_objects, thaw_and_collect
 from specserve.engine.output import OutputTracker, RequestOutput
 from specserve.core import SamplingParams
 
@@ -77,6 +77,17 @@ class LLM:
         self.tokenizer = load_tokenizer(self.model_info.tokenizer_dir)
         freeze_startup_objects()  # the tokenizer's too
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Frees the engine's memory now (weights, KV pool, CUDA graphs), so that another engine built in this
+        process gets the whole device; this LLM takes no requests after. Dropping the last reference is not
+        enough: the engine's objects were frozen out of the garbage collector's view when it was built."""
+        self.engine = None
+        thaw_and_collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def generate(
         self,

@@ -100,6 +100,7 @@ def run_spec_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dic
         }
         if counts is not None:
             row["experts_touched"] = experts.summary(llm, counts)
+        llm.close()  # the next configuration's engine gets the whole device
         rows.append(row)
         print(f"{label:64s} {row['decode_tok_s']:7.1f} tok/s  acceptance {row['mean_acceptance_length']}  "
               f"identical {row['same_tokens_as_no_spec']}", flush=True)

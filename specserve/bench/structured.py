@@ -146,6 +146,7 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
             for key in ((ROWS[0],) if r == 0 else ()) + pair:
                 runs[key].append(measure(llm, prompts, list(schemas), key[0], args.max_tokens, key[1],
                                          args.batch_size))
+        llm.close()  # the next configuration's engine gets the whole device
         for constrained, overlap in ROWS:
             row = {"config": label, **_median_run(runs[constrained, overlap])}
             rows.append(row)

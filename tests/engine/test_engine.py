@@ -1,6 +1,8 @@
 """Engine behaviour through the offline API: stop conditions, seeds, aborts, and fault isolation."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 from specserve.engine.output import Detokenizer, find_stop
@@ -136,3 +138,12 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_admission(llm, prompt, 
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([prompt], params)
     assert not llm.engine.has_work() and _pages_all_free(llm)
+
+
+def test_close_frees_the_engine_before_the_llm_object_goes(tiny_chat_model):
+    """Benchmarks build engines in turn: the one before must not hold its weights and KV pool meanwhile."""
+    closing = LLM(model=str(tiny_chat_model), max_total_tokens=256, page_size=8)
+    model = weakref.ref(closing.engine.runner.model)
+    kv_cache = weakref.ref(closing.engine.runner.kv_cache)
+    closing.close()
+    assert model() is None and kv_cache() is None
