@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 figures of the docs, one mode each; every figure names its file under $OUT. Speculative figures use a
 # random EAGLE-3 head of the target's shape with simulated acceptance (--speculative-simulate-accept-len).
-#   tests       the GPU tests
+#   tests       the GPU tests (tests1, tests2: its halves, one call each)
 #   decode      8B-shape decode (Llama-3.1-8B, random bf16 weights) at batch 1-64 with CUDA graphs against Hugging
 #               Face generate on the same GPU, and eager specserve for reference (specserve bench decode)
 #   sweep       offline serving waves (random 512-token prompts, 256 output tokens, ignore_eos) at C = 1..250
@@ -22,7 +22,8 @@
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
-# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests] [decode] [sweep] [specsweep | chainsweep | treesweep]
+# Needs the test extras importable (fastapi, uvicorn, openai, jsonschema, xgrammar, gguf) for tests2 and structured.
+# Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests | tests1 | tests2] [decode] [sweep] [specsweep | chainsweep | treesweep]
 #        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [structured] [tp1]
 #        [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
 #        [decisions]
@@ -38,8 +39,17 @@ export SPECSERVE_CPU_KERNELS=${SPECSERVE_CPU_KERNELS:-0}
 modes=" ${*:-all} "
 want() { [[ $modes == *" $1 "* || $modes == " all " ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu_info.txt"
-if want tests; then
-  { python3 -m pytest -m gpu tests -q -x -p no:cacheprovider && python3 -m pytest tests/kernels/test_triton_interpreter.py -q -x -p no:cacheprovider; } 2>&1 | grep --line-buffered -v DEBUG | tee "$OUT/gpu_tests.log"
+# The GPU tests take more than one call's 10 minutes: tests1 and tests2 are its halves.
+gpu_tests() {  # NAME DIRS...
+  local name=$1; shift
+  python3 -m pytest -m gpu "$@" -q -rf -p no:cacheprovider 2>&1 | grep --line-buffered -v DEBUG | tee "$OUT/$name.log"
+}
+if want tests || [[ $modes == *" tests1 "* ]]; then
+  gpu_tests gpu_tests1 tests/kernels tests/layers tests/models tests/train
+  python3 -m pytest tests/kernels/test_triton_interpreter.py -q -p no:cacheprovider 2>&1 | tail -3 | tee -a "$OUT/gpu_tests1.log"
+fi
+if want tests || [[ $modes == *" tests2 "* ]]; then
+  gpu_tests gpu_tests2 tests --ignore=tests/kernels --ignore=tests/layers --ignore=tests/models --ignore=tests/train
 fi
 if want decode; then
   common=(--device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048

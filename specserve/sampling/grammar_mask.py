@@ -28,7 +28,12 @@ def allowed_tokens(masks: torch.Tensor, vocab_size: int, device: torch.device | 
     table = _tables.get((device, forbidden))
     if table is None:
         table = _tables[device, forbidden] = (~_BYTE_BITS if forbidden else _BYTE_BITS).to(device)
-    as_bytes = masks.contiguous().view(torch.uint8).to(device)
+    as_bytes = masks.contiguous().view(torch.uint8)
+    if device.type == "cuda" and not as_bytes.is_cuda:
+        # From pinned memory the copy is queued behind the step's forward without holding the host there,
+        # which a copy from pageable memory does (masks of a plain step are applied behind its forward).
+        as_bytes = as_bytes.pin_memory().to(device, non_blocking=True)
+    as_bytes = as_bytes.to(device)
     return table[as_bytes.int()].view(masks.shape[0], -1)[:, :vocab_size]
 
 
