@@ -176,8 +176,8 @@ class Scheduler:
         are reserved for that. None when the next step must be scheduled from exact state instead: prompt work
         pending, the gate shut, a request the plan would not draft for in full, a row of `previous` whose head
         did not catch up to its root (it drafted nothing: the device would skip what it missed), a request
-        `previous` left out, one near its max_tokens or the context end (its last steps run synchronously), the
-        budget or pages short."""
+        `previous` left out, one near its max_tokens or the context end (its last steps run synchronously), one
+        under a grammar, the budget or pages short."""
         if self.draft_plan is None or self._prompt_work_pending():
             return None
         if max(s.num_draft_tokens for s in previous.seqs) < self.max_draft_tokens:
@@ -186,6 +186,8 @@ class Scheduler:
             return None
         rows = [(row, self.requests.get(s.request_id)) for row, s in enumerate(previous.seqs)]
         rows = [(row, r) for row, r in rows if r is not None and r.status is Status.RUNNING]
+        if any(r.grammar is not None for _, r in rows):
+            return None  # a grammar's masks need its state after the step in flight
         reserve = 2 * width
         if (not rows or len(rows) != len(self.running)
                 or len(rows) * (1 + self.max_draft_tokens) > self.config.chunked_prefill_size):

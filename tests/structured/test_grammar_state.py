@@ -117,3 +117,23 @@ def test_constraints_check_their_fields():
         Constraint("regex")
     params = SamplingParams(constraint=Constraint("json_object"))
     assert params.needs_host_logits and hash(params) == hash(SamplingParams(constraint=Constraint("json_object")))
+
+
+
+@pytest.mark.parametrize("index", [3, 16, 21])
+def test_chain_masks_equal_path_masks_along_the_chain(grammars, index):
+    """The chain program's one pass along its drafts gives each verify row the mask of the path to it, and
+    leaves the rows past a forbidden draft (or the grammar's end) unconstrained."""
+    rng = random.Random(index)
+    state = grammars.state(schema(index))
+    random_walk(state, rng, 4)
+    before = state.next_mask()
+    forbidden = next(t for t in range(VOCAB) if t not in set(allowed(before)))
+    walk = random_walk(state, rng, 3)
+    state.rollback(len(walk))
+    for drafts in ([], walk, walk[:1] + [forbidden] + walk[1:], [forbidden] + walk):
+        out = torch.full((len(drafts) + 1, state.num_words), -1, dtype=torch.int32)
+        state.chain_masks(drafts, out)
+        assert torch.equal(out, state.path_masks([drafts[:j] for j in range(len(drafts) + 1)]))
+        assert torch.equal(out[0:1], before)
+        assert torch.equal(state.next_mask(), before), "the state is left as it was"

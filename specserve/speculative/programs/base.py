@@ -51,6 +51,9 @@ class SpecGraphs(abc.ABC):
     program and leaves each sequence's new tokens packed for one read-back, and rows that follow the last
     launch (`_follow`). Subclasses define the buffers, the rows and the program."""
 
+    # Whether the program takes rows under a grammar (`_constrained_step`); else the general path does.
+    takes_masks = False
+
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int,
                  setup: ProgramSetup) -> None:
         self.target, self.drafter, self.kv_cache = target, drafter, kv_cache
@@ -66,6 +69,7 @@ class SpecGraphs(abc.ABC):
         self._allocate()
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # per graph: its packed tokens and counts
+        self.graph_pool = None  # the memory pool the graphs share (a later capture joins it)
 
     @abc.abstractmethod
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -145,7 +149,7 @@ class SpecGraphs(abc.ABC):
         for s in seqs:
             if not (s.sample and len(s.token_ids) == 1 and 0 <= s.num_draft_tokens <= max_drafts):
                 return False
-            if not (s.params.greedy or s.params.seed is None) or s.params.needs_host_logits:
+            if not (s.params.greedy or s.params.seed is None) or not self._finishes_on_device(s):
                 return False
             # Rows with no drafts this step (a request's last token, say) ride along: nothing of theirs is
             # accepted but the target's own token, and their head catch-up waits for a step that drafts.
@@ -153,6 +157,18 @@ class SpecGraphs(abc.ABC):
             if catch_up > self.width or (s.num_draft_tokens and not catch_up):
                 return False
         return max(s.start_pos for s in seqs) + self.width <= self.context_lens[-1]
+
+    def _finishes_on_device(self, seq) -> bool:
+        """Whether the program can take the row's logits: no penalties, bias or log-probabilities (the general
+        path adjusts and reads them on the host); under a grammar, only a program that takes masks, with the
+        target's acceptance (a drawn one would accept what the grammar forbids), without a forced span (the
+        general path verifies those)."""
+        params = seq.params
+        if params.adjusts_logits or params.logprobs is not None:
+            return False
+        if seq.grammar is None:
+            return True
+        return self.takes_masks and self.simulate_accept_len is None and not seq.forced_token_ids
 
     def without_backlog(self, batch: StepBatch) -> StepBatch:
         """The batch with each head catch-up cut to its last `width` rows: what the program takes once the
@@ -240,6 +256,9 @@ class SpecGraphs(abc.ABC):
         params = None
         if not all(s.params.greedy for s in seqs):  # eager: filtering branches on the settings (`_forward`)
             params = [s.params for s in seqs] + [GREEDY] * (bs - b)
+        if any(s.grammar is not None for s in seqs):
+            packed = self._constrained_step(seqs, bs, n, params)
+        elif params is not None:
             packed = self._step(bs, n, forced, params)
         elif (bs, n) in self.graphs:
             self.graphs[(bs, n)].replay()
@@ -256,10 +275,16 @@ class SpecGraphs(abc.ABC):
         self._follow(bs, n)
         return self._forward_packed(bs, n, self._metas(bs, n), forced, params)
 
+    def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
+        """A step with rows under a grammar, in programs that take masks (`takes_masks`)."""
+        raise NotImplementedError
+
     def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
                         params: list[SamplingParams] | None) -> torch.Tensor:
         """The forwards and acceptance, packed (`_packed`), also kept with each row's root for a following step."""
-        packed = _packed(*self._forward(bs, n, metas, forced, params))
+        return self._keep_packed(bs, _packed(*self._forward(bs, n, metas, forced, params)))
+
+    def _keep_packed(self, bs: int, packed: torch.Tensor) -> torch.Tensor:
         self.last_packed[:bs] = packed
         self.last_root[:bs] = self._roots(bs)
         return packed
@@ -334,7 +359,7 @@ class SpecGraphs(abc.ABC):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[(bs, n)] = self._step(bs, n, None if forced is None else forced[:bs])
-            pool = graph.pool()
+            pool = self.graph_pool = graph.pool()
             self.graphs[(bs, n)] = graph
         torch.cuda.synchronize(self.device)
 

@@ -1,0 +1,95 @@
+"""Rows under a grammar in the chain program (speculative/programs/chain.py `_constrained_step`): the drafts,
+read back, each constrained row's masks filled along its chain, then masked verification. Greedy output
+equals greedy output without speculation under the same grammars, sampled rows stay valid, and unconstrained
+rows in the same batches are unaffected. Forced spans (which the general path verifies) are off, so that the
+program takes every drafting step."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from specserve import envs
+from specserve.bench.schemas import SCHEMAS
+from specserve.config import SpecConfig
+from specserve.core import Constraint, SamplingParams
+
+INDICES = list(range(0, len(SCHEMAS), 3))
+FREE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+FREE_PROMPTS = ["Tell me a story.", "1, 2, 3,"]
+
+
+def schema_params(temperature: float) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=60, temperature=temperature,
+                           constraint=Constraint("json_schema", json.dumps(SCHEMAS[i]))) for i in INDICES]
+
+
+def prompts() -> list[str]:
+    return [f"Answer in JSON following the schema {json.dumps(SCHEMAS[i])}" for i in INDICES]
+
+
+def run(llm, prompts, params):
+    trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
+    while llm.engine.has_work():
+        llm.step_and_track(trackers)
+    return [t.output for t in trackers]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_chat_model, tiny_chat_head):
+    """Per configuration (speculation off; a chain of 3): the greedy batch with unconstrained requests, the
+    sampled batch, the chain program's constrained steps, and the pages left in use."""
+    from specserve.llm import LLM
+
+    results = {}
+    for name, spec in {"off": {}, "chain": {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), 3, 1, None)}}.items():
+        llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, **spec)
+        with envs.override(forced_drafts=False):
+            greedy = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
+            sampled = run(llm, prompts(), schema_params(1.0))
+        program = llm.engine.runner.program
+        results[name] = (greedy, sampled, program.num_masked_runs if program is not None else 0,
+                         llm.engine.scheduler.allocator.num_used)
+        llm.close()
+    return results
+
+
+def test_the_chain_program_takes_the_constrained_steps(runs):
+    assert runs["chain"][2] > 10
+
+
+def test_greedy_in_the_program_equals_greedy_without_speculation(runs):
+    (spec, _, _, _), (plain, _, _, _) = runs["chain"], runs["off"]
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.num_spec_steps for o in spec[:len(INDICES)]) > 0
+
+
+@pytest.mark.parametrize("config", ["off", "chain"])
+def test_every_output_is_valid_and_nothing_leaks(runs, config):
+    greedy, sampled, _, pages_in_use = runs[config]
+    for outputs in (greedy[:len(INDICES)], sampled):
+        for i, out in zip(INDICES, outputs, strict=True):
+            if out.finish_reason == "stop":
+                jsonschema.validate(json.loads(out.text), SCHEMAS[i])
+    assert sum(o.finish_reason == "stop" for o in greedy[:len(INDICES)] + sampled) >= len(INDICES)
+    assert pages_in_use == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_two_halves_replay_graphs_as_they_run_eagerly(tiny_chat_model, tiny_chat_head):
+    """The halves' graphs, captured at each shape's first constrained step, give the eager halves' tokens."""
+    from specserve.llm import LLM
+
+    spec = SpecConfig("EAGLE3", str(tiny_chat_head), 3, 1, None)
+    outputs = {}
+    for graphs in (True, False):
+        llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, device="cuda", spec=spec,
+                  disable_cuda_graph=not graphs)
+        with envs.override(forced_drafts=False):
+            outputs[graphs] = [o.token_ids for o in run(llm, prompts() + FREE_PROMPTS,
+                                                        schema_params(0.0) + [FREE] * len(FREE_PROMPTS))]
+        program = llm.engine.runner.program
+        assert program.num_masked_runs > 10 and bool(program.masked_graphs) == graphs
+        llm.close()
+    assert outputs[True] == outputs[False]
