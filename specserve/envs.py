@@ -78,8 +78,8 @@ class Switches:
     forced_drafts: bool = _switch(
         True, "Under structured output, verify the text a grammar forces next (a schema's keys and "
               "punctuation, as the tokenizer encodes it) as the first drafts of a step, with or without "
-              "speculation; where plain steps replay CUDA graphs, only on steps that draft. Off: one token a step "
-              "without speculation; the drafter drafts it through its masks.")
+              "speculation, where steps run eagerly (a CPU: with CUDA graphs a span would cost more than it saves). "
+              "Off: one token a step without speculation; the drafter drafts it through its masks.")
     # Tests only.
     triton_interpreter_tests: bool = _switch(
         False, "Run the Triton kernels' tests in Triton's CPU interpreter (tests/kernels/test_triton_interpreter.py) "

@@ -129,10 +129,10 @@ def check_tree_select(device: str) -> None:
 
 
 def check_tree_accept(device: str) -> None:
-    """triton_tree.accept_tree against TreeGraphs' PyTorch forms (`_leaf`, `_emit`, `_packed`, and the slots
+    """triton_tree.accept_tree against TreeGraphs' PyTorch forms (`_leaf`, `_emit`, `pack_tokens`, and the slots
     `_move_accepted` moves): greedy, with a path matched to a random depth in each tree, and forced (simulated)."""
     from specserve.kernels.triton import tree as triton_tree
-    from specserve.speculative.programs.base import _packed
+    from specserve.speculative.programs.base import pack_tokens
     from specserve.speculative.programs.tree import TreeGraphs
 
     generator = torch.Generator().manual_seed(5)
@@ -160,7 +160,7 @@ def check_tree_accept(device: str) -> None:
             ours = triton_tree.accept_tree({name: t.to(device) for name, t in nodes.items()}, best.to(device),
                                            None if forced is None else forced.to(device), program.real_slots.to(device),
                                            pad, roots.to(device), last_packed, last_root)
-            expected = _packed(tokens_out, accepted)
+            expected = pack_tokens(tokens_out, accepted)
             assert torch.equal(ours[0].cpu(), expected), (k, depth, forced)
             assert torch.equal(ours[1].cpu(), src) and torch.equal(ours[2].cpu(), dst), (k, depth, forced)
             assert torch.equal(last_packed[:bs].cpu(), expected) and torch.equal(last_root[:bs].cpu(), roots)
@@ -343,12 +343,12 @@ def check_rms_norm_pair(device: str, dtype: torch.dtype, tolerance: float) -> No
 
 
 def check_accept_and_pack(device: str) -> None:
-    """The chain's acceptance kernel (kernels/triton/accept.py) against accept_chain and _packed: every prefix of
+    """The chain's acceptance kernel (kernels/triton/accept.py) against accept_chain and pack_tokens: every prefix of
     matches (none, some, all), a mismatch after a match, limits below and above the matches, forced counts (also
     above the limit); a root read with a stride, as the program passes it; the copies a following step reads.
     On a GPU, or in Triton's interpreter."""
     from specserve.speculative.accept import accept_chain
-    from specserve.speculative.programs.base import _packed
+    from specserve.speculative.programs.base import pack_tokens
     from specserve.kernels.triton.accept import accept_and_pack
 
     torch.manual_seed(0)
@@ -363,7 +363,7 @@ def check_accept_and_pack(device: str) -> None:
             last_packed = torch.full((rows + 3, k + 2), -1, dtype=torch.long, device=device)
             last_root = torch.full((rows + 3,), -1, dtype=torch.long, device=device)
             got = accept_and_pack(drafts, best, forced, limit, roots, last_packed, last_root)
-            expected = _packed(*accept_chain(drafts.cpu(), best.cpu(), None if forced is None else forced.cpu(),
+            expected = pack_tokens(*accept_chain(drafts.cpu(), best.cpu(), None if forced is None else forced.cpu(),
                                              limit.cpu()))
             assert torch.equal(got.cpu(), expected), (k, forced)
             assert torch.equal(last_packed[:rows].cpu(), expected) and (last_packed[rows:] == -1).all()

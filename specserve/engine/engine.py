@@ -212,9 +212,9 @@ class EngineCore:
         # read the request's tokens so far, which under overlap may end in a placeholder: each such step
         # waits for the one in flight. A grammar's masks need its state past the newest token, so a
         # constrained plain step samples only after the step in flight is read back (`_step_overlapped`);
-        # where forced spans may ride on plain steps it waits instead, as the scheduler finds a span only from
-        # a current grammar, and a span saves whole steps where overlapping saves part of one.
-        wait_for_grammar = envs.get().forced_drafts and self.scheduler.forced_on_plain_steps
+        # where the scheduler gives forced spans it waits instead, as it finds a span only from a current
+        # grammar, and a span saves whole steps where overlapping saves part of one.
+        wait_for_grammar = envs.get().forced_drafts and self.scheduler.forced_spans
         if self.overlap and not any(s.num_draft_tokens or s.forced_token_ids or s.history is not None
                                     or (s.grammar is not None and wait_for_grammar) for s in batch.seqs):
             return self._step_overlapped(batch)

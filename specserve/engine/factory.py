@@ -183,7 +183,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
     scheduler = Scheduler(config.scheduler, allocator, max_model_len, *_draft_hooks(config, speculator, adaptive),
                           prefix_cache=PrefixCache(allocator) if config.cache.enable_prefix_caching else None,
                           draft_lead=speculator.proposer.drafter.shift if speculator is not None else 0,
-                          draft_prune=_draft_prune(config, adaptive), forced_on_plain_steps=not use_graphs)
+                          draft_prune=_draft_prune(config, adaptive), forced_spans=not use_graphs)
     eos = model_cfg.eos_token_ids + _generation_eos(resolved.weights_dir or resolved.tokenizer_dir)
     proposer = speculator.proposer if speculator is not None else None
     futures = FutureTokens(config.scheduler.max_running_requests, device)

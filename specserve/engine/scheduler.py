@@ -42,7 +42,7 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         draft_lead: int = 0,
         draft_prune: Callable[[Request], float] | None = None,
-        forced_on_plain_steps: bool = True,
+        forced_spans: bool = True,
     ) -> None:
         self.config = config
         self.prefix_cache = prefix_cache
@@ -63,10 +63,10 @@ class Scheduler:
         # The draft probability a drafting request's tree nodes need to be verified (speculative/plan.py);
         # None: no pruning.
         self.draft_prune = draft_prune
-        # Whether a request that drafts nothing this step may still verify its grammar's forced span. A span makes
-        # the step one the general path runs (an eager forward); where plain steps replay CUDA graphs instead,
-        # that forward costs more than the tokens it saves, so spans then ride only on steps that draft anyway.
-        self.forced_on_plain_steps = forced_on_plain_steps
+        # Whether a request may verify its grammar's forced span. A span sends its step to the general path (an
+        # eager forward); where steps replay CUDA graphs (plain steps, and the step programs, which take rows
+        # under a grammar), that forward costs more than the tokens the span saves.
+        self.forced_spans = forced_spans
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -136,7 +136,7 @@ class Scheduler:
                 continue
             count = min(request.num_uncomputed_tokens, budget)
             drafts = self._num_drafts(request, count, budget) if drafting else 0
-            forced = self._forced_span(request, count, budget) if drafts or self.forced_on_plain_steps else []
+            forced = self._forced_span(request, count, budget) if self.forced_spans else []
             drafts = max(0, drafts - len(forced))  # the drafter drafts on past them, within its budget
             if not self._make_room(request, count + drafts + len(forced)):
                 preempted = True

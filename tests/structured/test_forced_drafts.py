@@ -130,17 +130,15 @@ def test_forced_drafts_switch_off_leaves_steps_as_they_were():
         assert scheduler.schedule().seqs[0].forced_token_ids == []
 
 
-def test_where_plain_steps_replay_graphs_spans_ride_only_on_drafting_steps():
-    """A span on a request that drafts nothing would take its batch off the CUDA graphs; one that drafts
-    already leaves them, and keeps its span."""
-    plans = {"plain": 0, "drafting": 3}
+def test_where_steps_replay_graphs_no_request_gets_a_span():
+    """A span would send its step off the CUDA graphs (plain steps, the step programs) to an eager forward."""
     scheduler = Scheduler(SchedulerConfig(), PageAllocator(40, 4), max_model_len=128,
-                          draft_plan=lambda request: plans[request.request_id], max_draft_tokens=3,
-                          forced_on_plain_steps=False)
+                          draft_plan=lambda request: 3 if request.request_id == "drafting" else 0,
+                          max_draft_tokens=3, forced_spans=False)
     _decoding(scheduler, {"plain": (5, 50), "drafting": (2, 50)})
     seqs = {s.request_id: s for s in scheduler.schedule().seqs}
     assert seqs["plain"].forced_token_ids == [] and seqs["plain"].num_draft_tokens == 0
-    assert seqs["drafting"].forced_token_ids == [7, 7] and seqs["drafting"].num_draft_tokens == 1
+    assert seqs["drafting"].forced_token_ids == [] and seqs["drafting"].num_draft_tokens == 3
 
 
 def run(llm, prompts, params) -> tuple[list, int]:

@@ -1,8 +1,8 @@
-"""Rows under a grammar in the chain program (speculative/programs/chain.py `_constrained_step`): the drafts,
-read back, each constrained row's masks filled along its chain, then masked verification. Greedy output
-equals greedy output without speculation under the same grammars, sampled rows stay valid, and unconstrained
-rows in the same batches are unaffected. Forced spans (which the general path verifies) are off, so that the
-program takes every drafting step."""
+"""Rows under a grammar in the chain and tree programs (speculative/programs/base.py `_constrained_step`):
+the drafts, read back, each constrained row's masks filled along its chain or tree, then masked verification.
+Greedy output equals greedy output without speculation under the same grammars, sampled rows stay valid, and
+unconstrained rows in the same batches are unaffected. Forced spans (which the general path verifies) are
+off, so that the programs take every drafting step; the tree program runs on the CPU as on a GPU."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,7 @@ from specserve.core import Constraint, SamplingParams
 INDICES = list(range(0, len(SCHEMAS), 3))
 FREE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 FREE_PROMPTS = ["Tell me a story.", "1, 2, 3,"]
+SHAPES = {"off": None, "chain": (3, 1, None), "tree": (3, 2, 6)}
 
 
 def schema_params(temperature: float) -> list[SamplingParams]:
@@ -38,14 +39,15 @@ def run(llm, prompts, params):
 
 @pytest.fixture(scope="module")
 def runs(tiny_chat_model, tiny_chat_head):
-    """Per configuration (speculation off; a chain of 3): the greedy batch with unconstrained requests, the
-    sampled batch, the chain program's constrained steps, and the pages left in use."""
+    """Per configuration (speculation off, a chain of 3, a tree of 6): the greedy batch with unconstrained
+    requests, the sampled batch, the program's constrained steps, and the pages left in use."""
     from specserve.llm import LLM
 
     results = {}
-    for name, spec in {"off": {}, "chain": {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), 3, 1, None)}}.items():
-        llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, **spec)
-        with envs.override(forced_drafts=False):
+    for name, shape in SHAPES.items():
+        spec = {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), *shape)} if shape else {}
+        with envs.override(forced_drafts=False, tree_program_on_cpu=True):
+            llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, **spec)
             greedy = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
             sampled = run(llm, prompts(), schema_params(1.0))
         program = llm.engine.runner.program
@@ -55,17 +57,19 @@ def runs(tiny_chat_model, tiny_chat_head):
     return results
 
 
-def test_the_chain_program_takes_the_constrained_steps(runs):
-    assert runs["chain"][2] > 10
+@pytest.mark.parametrize("config", ["chain", "tree"])
+def test_the_program_takes_the_constrained_steps(runs, config):
+    assert runs[config][2] > 10
 
 
-def test_greedy_in_the_program_equals_greedy_without_speculation(runs):
-    (spec, _, _, _), (plain, _, _, _) = runs["chain"], runs["off"]
+@pytest.mark.parametrize("config", ["chain", "tree"])
+def test_greedy_in_the_program_equals_greedy_without_speculation(runs, config):
+    (spec, _, _, _), (plain, _, _, _) = runs[config], runs["off"]
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.num_spec_steps for o in spec[:len(INDICES)]) > 0
 
 
-@pytest.mark.parametrize("config", ["off", "chain"])
+@pytest.mark.parametrize("config", SHAPES)
 def test_every_output_is_valid_and_nothing_leaks(runs, config):
     greedy, sampled, _, pages_in_use = runs[config]
     for outputs in (greedy[:len(INDICES)], sampled):
@@ -77,11 +81,12 @@ def test_every_output_is_valid_and_nothing_leaks(runs, config):
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_two_halves_replay_graphs_as_they_run_eagerly(tiny_chat_model, tiny_chat_head):
+@pytest.mark.parametrize("config", ["chain", "tree"])
+def test_on_a_gpu_the_two_halves_replay_graphs_as_they_run_eagerly(tiny_chat_model, tiny_chat_head, config):
     """The halves' graphs, captured at each shape's first constrained step, give the eager halves' tokens."""
     from specserve.llm import LLM
 
-    spec = SpecConfig("EAGLE3", str(tiny_chat_head), 3, 1, None)
+    spec = SpecConfig("EAGLE3", str(tiny_chat_head), *SHAPES[config])
     outputs = {}
     for graphs in (True, False):
         llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, device="cuda", spec=spec,

@@ -1,6 +1,6 @@
 """A greedy chain step's acceptance and packing on the GPU, in one kernel.
 
-After the verify's argmax, `accept_chain` and `_packed` (speculative/programs/chain.py) find each row's accepted drafts,
+After the verify's argmax, `accept_chain` and `pack_tokens` (speculative/programs/chain.py) find each row's accepted drafts,
 put the target's own token after them and pack tokens and count for the read-back; the program then keeps a copy
 of the packed rows and of each root for a step that follows it. In PyTorch that is ~8 kernels of a few elements
 each, every one a full launch latency inside the chain step's graph. Here one program per row does all of it,
@@ -45,7 +45,7 @@ def _accept_kernel(DRAFTS, BEST, FORCED, LIMIT, ROOTS, PACKED, LAST_PACKED, LAST
 
 def accept_and_pack(drafts: torch.Tensor, best: torch.Tensor, forced: torch.Tensor | None, limit: torch.Tensor,
                     roots: torch.Tensor, last_packed: torch.Tensor, last_root: torch.Tensor) -> torch.Tensor:
-    """`_packed(*accept_chain(drafts, best, forced, limit))` [B, k + 2], also copied to last_packed[:B], with
+    """`pack_tokens(*accept_chain(drafts, best, forced, limit))` [B, k + 2], also copied to last_packed[:B], with
     roots [B] copied to last_root[:B]. All int64."""
     bs, k = drafts.shape
     read_by_row = (drafts, best, limit, last_packed, last_root) + ((forced,) if forced is not None else ())

@@ -260,7 +260,7 @@ def _accept_kernel(TOKENS, PARENT, DEPTHS, PATH, IN_TREE, SLOTS, BEST, FORCED, R
 
 def accept_tree(nodes: dict, best: torch.Tensor, forced: torch.Tensor | None, real_slots: torch.Tensor,
                 pad_slot: int, roots: torch.Tensor, last_packed: torch.Tensor, last_root: torch.Tensor):
-    """A greedy tree step's `_leaf`, `_emit` and `_packed` (TreeGraphs), in one kernel: -> (packed [bs, depth + 2],
+    """A greedy tree step's `_leaf`, `_emit` and `pack_tokens` (TreeGraphs), in one kernel: -> (packed [bs, depth + 2],
     the slots the accepted nodes' KV and taps move from and to [bs, depth], the padding slot past them). Also
     copies packed to last_packed[:bs] and roots [bs] to last_root[:bs]."""
     tokens = nodes["tokens"]

@@ -20,6 +20,7 @@ from specserve import envs
 from specserve.core import SamplingParams, StepBatch
 from specserve.graph_shapes import batch_buckets, context_buckets
 from specserve.layers.attention import AttentionMetadata
+from specserve.sampling.grammar_mask import allowed_tokens
 from specserve.speculative.drafters.base import eagle3_catch_up
 from specserve.speculative.simulate import draw_num_accepted
 
@@ -51,8 +52,8 @@ class SpecGraphs(abc.ABC):
     program and leaves each sequence's new tokens packed for one read-back, and rows that follow the last
     launch (`_follow`). Subclasses define the buffers, the rows and the program."""
 
-    # Whether the program takes rows under a grammar (`_constrained_step`); else the general path does.
-    takes_masks = False
+    # Rows under a grammar run the program in two halves (`_constrained_step`).
+    takes_masks = True
 
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int,
                  setup: ProgramSetup) -> None:
@@ -70,6 +71,12 @@ class SpecGraphs(abc.ABC):
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # per graph: its packed tokens and counts
         self.graph_pool = None  # the memory pool the graphs share (a later capture joins it)
+        # Grammar masks of the verify rows (`_constrained_step`), allocated at the first such step, and per
+        # shape the two halves' graphs with what they leave: (drafts, verification, drafts out, packed out).
+        self.grammar_masks: torch.Tensor | None = None
+        self._host_masks: torch.Tensor | None = None
+        self.masked_graphs: dict[tuple[int, int], tuple] = {}
+        self.num_masked_runs = 0  # steps that held rows under a grammar
 
     @abc.abstractmethod
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -275,14 +282,24 @@ class SpecGraphs(abc.ABC):
         self._follow(bs, n)
         return self._forward_packed(bs, n, self._metas(bs, n), forced, params)
 
-    def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
-        """A step with rows under a grammar, in programs that take masks (`takes_masks`)."""
-        raise NotImplementedError
-
     def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
                         params: list[SamplingParams] | None) -> torch.Tensor:
-        """The forwards and acceptance, packed (`_packed`), also kept with each row's root for a following step."""
-        return self._keep_packed(bs, _packed(*self._forward(bs, n, metas, forced, params)))
+        """The forwards and acceptance, packed (`pack_tokens`), also kept with each row's root for a following step."""
+        drafts = self._drafts(bs, n, metas)
+        return self._accept_packed(bs, drafts, self._target_logits(bs, n, drafts, metas), forced, params)
+
+    @abc.abstractmethod
+    def _drafts(self, bs: int, n: int, metas: dict):
+        """The head catches up and drafts: what the verify forward takes (a chain's tokens, a tree's nodes)."""
+
+    @abc.abstractmethod
+    def _target_logits(self, bs: int, n: int, drafts, metas: dict) -> torch.Tensor:
+        """The target's logits after the root and each draft [bs, rows, V]; stores their KV and the head's taps."""
+
+    @abc.abstractmethod
+    def _accept_packed(self, bs: int, drafts, logits: torch.Tensor, forced: torch.Tensor | None,
+                       params: list[SamplingParams] | None) -> torch.Tensor:
+        """Acceptance against the verify logits, packed and kept for a following step (`_keep_packed`)."""
 
     def _keep_packed(self, bs: int, packed: torch.Tensor) -> torch.Tensor:
         self.last_packed[:bs] = packed
@@ -340,6 +357,83 @@ class SpecGraphs(abc.ABC):
         if pinned:
             self._uploaded.record()
 
+    # -- rows under a grammar ----------------------------------------------------------------------
+    mask_rows: int  # verify rows per sequence: a grammar mask each
+
+    def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
+        """A step with rows under a grammar, in two halves: the drafts (unmasked: a draft the grammar forbids is
+        never accepted, as the verify row before it rejects it), read back; each constrained row's verify masks
+        filled on the host (`_row_masks`); then verification with the masks applied, so the bonus token is the
+        masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each half's graph,
+        captured at the shape's first such step; other batches run them eagerly. `_launch` uploaded the inputs;
+        no row follows a launch (a grammar needs the tokens in flight)."""
+        if self.grammar_masks is None:  # one size for every grammar of an engine (the model's vocabulary)
+            words = next(s.grammar.num_words for s in seqs if s.grammar is not None)
+            shape = (self.max_bs * self.mask_rows, words)
+            self.grammar_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+            # Rewritten each step once its drafts are read back, when the last step's copy is long done.
+            self._host_masks = torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        graphs = self._masked_graphs(bs, n) if params is None else None
+        if graphs is not None:
+            graphs[0].replay()
+            drafts = graphs[2]
+        else:
+            drafts = self._drafts(bs, n, self._metas(bs, n))
+        self._fill_masks(seqs, bs, self._drafts_on_host(drafts, len(seqs)))
+        self.num_masked_runs += 1
+        if graphs is not None:
+            graphs[1].replay()
+            return graphs[3]
+        return self._verify_masked(bs, n, drafts, params)
+
+    @abc.abstractmethod
+    def _drafts_on_host(self, drafts, b: int) -> list:
+        """The first b sequences' drafts as Python values, one per sequence (a sync)."""
+
+    @abc.abstractmethod
+    def _row_masks(self, seq, drafts, out: torch.Tensor) -> None:
+        """Fills `out` [mask_rows, words] with what `seq`'s grammar allows after each verify row's path."""
+
+    def _verify_masked(self, bs: int, n: int, drafts, params: list[SamplingParams] | None = None) -> torch.Tensor:
+        logits = self._target_logits(bs, n, drafts, self._metas(bs, n))
+        forbidden = allowed_tokens(self.grammar_masks[: bs * self.mask_rows], logits.shape[-1], forbidden=True)
+        logits = logits.masked_fill(forbidden.view(logits.shape), float("-inf"))
+        return self._accept_packed(bs, drafts, logits, None, params)
+
+    def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
+        """Each constrained row's verify masks (`_row_masks`); every other row allows everything."""
+        rows = self.mask_rows
+        host = self._host_masks[: bs * rows].fill_(-1)
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                self._row_masks(seq, drafts[i], host[i * rows: (i + 1) * rows])
+        self.grammar_masks[: bs * rows].copy_(host, non_blocking=True)
+
+    def _masked_graphs(self, bs: int, n: int) -> tuple | None:
+        """The two halves' graphs at this shape, captured now if this is its first constrained step; None where
+        the program runs eagerly (a CPU, or graphs off)."""
+        if not self.graphs:
+            return None
+        if (bs, n) not in self.masked_graphs:
+            self.masked_graphs[(bs, n)] = self._capture_masked(bs, n)
+        return self.masked_graphs[(bs, n)]
+
+    def _capture_masked(self, bs: int, n: int) -> tuple:
+        """Runs both halves once on a side stream (writing only what the step's replay writes again: the
+        buffers hold its inputs), then captures each into the program graphs' pool."""
+        current = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            self._verify_masked(bs, n, self._drafts(bs, n, self._metas(bs, n)))
+        current.wait_stream(stream)
+        graphs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[0], pool=self.graph_pool):
+            drafts = self._drafts(bs, n, self._metas(bs, n))
+        with torch.cuda.graph(graphs[1], pool=self.graph_pool):
+            packed = self._verify_masked(bs, n, drafts)
+        return (*graphs, drafts, packed)
+
     @torch.inference_mode()
     def _capture(self, progress: bool, desc: str) -> None:
         shapes = [(bs, n) for n in reversed(self.context_lens) for bs in reversed(self.batch_sizes)]
@@ -377,7 +471,7 @@ def decode_rows_meta(positions: torch.Tensor, slots: torch.Tensor, tables: torch
     return replace(meta, slot_mapping=slots)
 
 
-def _packed(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+def pack_tokens(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """[B, width + 1]: each row's tokens, then its accepted draft count, so one copy reads both back."""
     return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], dim=1)
 

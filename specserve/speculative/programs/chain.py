@@ -33,13 +33,12 @@ import torch
 from specserve import envs
 from specserve.core import SamplingParams
 from specserve.layers.attention import AttentionMetadata
-from specserve.sampling.grammar_mask import allowed_tokens
 from specserve.sampling.sampler import argmax, filtered_probs
 from specserve.speculative.accept import accept_chain, accept_chain_sampled
 from specserve.speculative.programs.base import (
     ProgramSetup,
     SpecGraphs,
-    _packed,
+    pack_tokens,
     decode_rows_meta,
     page_slots,
     put_where,
@@ -49,11 +48,10 @@ from specserve.transfer import tensor_on
 
 
 class ChainGraphs(SpecGraphs):
-    takes_masks = True
-
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, num_drafts: int,
                  setup: ProgramSetup) -> None:
         self.k = self.max_drafts = num_drafts
+        self.mask_rows = num_drafts + 1  # the root, then each draft
         super().__init__(target, drafter, kv_cache, num_drafts + 1, setup)
         if setup.capture:
             self._capture(setup.progress, "capturing speculative graphs")
@@ -79,11 +77,6 @@ class ChainGraphs(SpecGraphs):
         self.extend_lens = torch.zeros(self.extend_pos.shape, **i32)
         self.row_tables = {n: torch.zeros(b * w, t.shape[1], **i32) for n, t in self.tables.items()}
         self.verify_ids = torch.zeros(b, w, dtype=torch.long, device=self.device)  # each root, then its drafts
-        # Grammar masks of the verify rows (`_constrained_step`), allocated at the first such step, and per
-        # shape the two halves' graphs with what they leave: (drafts, verification, drafts out, packed out).
-        self.grammar_masks: torch.Tensor | None = None
-        self.masked_graphs: dict[tuple[int, int], tuple] = {}
-        self.num_masked_runs = 0  # steps that held rows under a grammar
 
     def _describe(self, seqs, bs: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         k, w, ps, pad = self.k, self.width, self.page_size, self.pad_slot
@@ -186,92 +179,29 @@ class ChainGraphs(SpecGraphs):
             self.page_size, kv_heads, n, tail_slots=slots.repeat_interleave(w, 0), tail_lens=tail_lens,
             rows_per_seq=w)
 
-    def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
-                        params: list[SamplingParams] | None) -> torch.Tensor:
-        drafts = self._draft(bs, metas)
-        return self._accept_packed(bs, drafts, self._verify_logits(bs, metas["verify"]), forced, params)
+    def _drafts(self, bs: int, n: int, metas: dict) -> torch.Tensor:
+        return self._draft(bs, metas)
+
+    def _target_logits(self, bs: int, n: int, drafts: torch.Tensor, metas: dict) -> torch.Tensor:
+        return self._verify_logits(bs, metas["verify"])
 
     def _accept_packed(self, bs: int, drafts: torch.Tensor, logits: torch.Tensor, forced: torch.Tensor | None,
                        params: list[SamplingParams] | None) -> torch.Tensor:
         """Acceptance of each root's drafts against the verify logits, packed and kept for a following step."""
         if params is not None or self.device.type != "cuda":
-            return self._keep_packed(bs, _packed(*self._accept(bs, drafts, logits, forced, params)))
+            return self._keep_packed(bs, pack_tokens(*self._accept(bs, drafts, logits, forced, params)))
         from specserve.kernels.triton import accept as triton_accept
 
         return triton_accept.accept_and_pack(drafts, argmax(logits), forced, self.limit[:bs], self._roots(bs),
                                              self.last_packed, self.last_root)
 
-    # -- rows under a grammar --------------------------------------------------
-    def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
-        """The drafts (unmasked: a draft the grammar forbids is never accepted, as each verify row's mask
-        rejects it), read back; each constrained row's masks filled along its chain on the host; then
-        verification with the masks applied. On a GPU a greedy batch replays the two halves' graphs, captured
-        at the shape's first such step; other batches run them eagerly. The catch-up rows' inputs were
-        uploaded by `_launch`; no row follows a launch (a grammar needs the tokens in flight)."""
-        if self.grammar_masks is None:  # one size for every grammar of an engine (the model's vocabulary)
-            words = next(s.grammar.num_words for s in seqs if s.grammar is not None)
-            self.grammar_masks = torch.full((self.max_bs * self.width, words), -1, dtype=torch.int32,
-                                            device=self.device)
-        graphs = self._masked_graphs(bs, n) if params is None else None
-        if graphs is not None:
-            graphs[0].replay()
-            drafts = graphs[2]
-        else:
-            drafts = self._draft(bs, self._metas(bs, n))
-        self._fill_masks(seqs, bs, drafts[: len(seqs)].tolist())
-        self.num_masked_runs += 1
-        if graphs is not None:
-            graphs[1].replay()
-            return graphs[3]
-        return self._verify_masked(bs, n, drafts, params)
+    # -- rows under a grammar (`_constrained_step`) ---------------------------------------------------
+    def _drafts_on_host(self, drafts: torch.Tensor, b: int) -> list[list[int]]:
+        return drafts[:b].tolist()
 
-    def _verify_masked(self, bs: int, n: int, drafts: torch.Tensor, params: list[SamplingParams] | None = None
-                       ) -> torch.Tensor:
-        logits = self._verify_logits(bs, self._metas(bs, n)["verify"])
-        forbidden = allowed_tokens(self.grammar_masks[: bs * self.width], logits.shape[-1], forbidden=True)
-        logits = logits.masked_fill(forbidden.view(logits.shape), float("-inf"))
-        return self._accept_packed(bs, drafts, logits, None, params)
-
-    def _fill_masks(self, seqs, bs: int, drafts: list[list[int]]) -> None:
-        """Each constrained row's verify rows: what its grammar allows after the root and each prefix of its
-        drafts; every other row allows everything."""
-        w, words = self.width, self.grammar_masks.shape[1]
-        host = torch.full((bs * w, words), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        for row, seq in enumerate(seqs):
-            if seq.grammar is not None:
-                d = seq.num_draft_tokens
-                seq.grammar.chain_masks(drafts[row][:d], host[row * w: row * w + d + 1])
-        self.grammar_masks[: bs * w].copy_(host, non_blocking=True)
-
-    def _masked_graphs(self, bs: int, n: int) -> tuple | None:
-        """The two halves' graphs at this shape, captured now if this is its first constrained step; None where
-        the program runs eagerly (a CPU, or graphs off)."""
-        if not self.graphs:
-            return None
-        if (bs, n) not in self.masked_graphs:
-            self.masked_graphs[(bs, n)] = self._capture_masked(bs, n)
-        return self.masked_graphs[(bs, n)]
-
-    def _capture_masked(self, bs: int, n: int) -> tuple:
-        """Runs both halves once on a side stream (writing only what the step's replay writes again: the
-        buffers hold its inputs), then captures each into the program graphs' pool."""
-        current = torch.cuda.current_stream(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            self._verify_masked(bs, n, self._draft(bs, self._metas(bs, n)))
-        current.wait_stream(stream)
-        graphs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[0], pool=self.graph_pool):
-            drafts = self._draft(bs, self._metas(bs, n))
-        with torch.cuda.graph(graphs[1], pool=self.graph_pool):
-            packed = self._verify_masked(bs, n, drafts)
-        return (*graphs, drafts, packed)
-
-    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None,
-                 params: list[SamplingParams] | None = None):
-        drafts = self._draft(bs, metas)
-        return self._accept(bs, drafts, self._verify_logits(bs, metas["verify"]), forced, params)
+    def _row_masks(self, seq, drafts: list[int], out: torch.Tensor) -> None:
+        d = seq.num_draft_tokens
+        seq.grammar.chain_masks(drafts[:d], out[: d + 1])  # rows past the scheduled drafts never decide
 
     def _accept(self, bs: int, drafts: torch.Tensor, logits: torch.Tensor, forced: torch.Tensor | None,
                 params: list[SamplingParams] | None):
@@ -299,10 +229,6 @@ class ChainGraphs(SpecGraphs):
             state = head(embedding, state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache, token)
             token = argmax(head.compute_logits(state), head.d2t, out=drafts[:, i + 1])
         return drafts
-
-    def _verify(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
-        """The target's argmax after root + each draft [bs, k + 1]; stores their KV and the head's taps."""
-        return argmax(self._verify_logits(bs, meta))
 
     def _verify_logits(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         """The target's logits after root + each draft [bs, k + 1, V] (the ids `_metas` and `_draft` left in

@@ -62,5 +62,9 @@ class ShapePrograms:
     def num_runs(self) -> int:
         return sum(p.num_runs for p in self._programs())
 
+    @property
+    def num_masked_runs(self) -> int:
+        return sum(p.num_masked_runs for p in self._programs())
+
     def _programs(self) -> list:
         return [*self.chains.values(), *self.trees.values()]

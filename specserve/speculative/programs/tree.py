@@ -32,7 +32,14 @@ import torch
 
 from specserve import envs
 from specserve.speculative.accept import accept_tree_sampled
-from specserve.speculative.programs.base import ProgramSetup, SpecGraphs, page_slots, put_where, table_slots
+from specserve.speculative.programs.base import (
+    ProgramSetup,
+    SpecGraphs,
+    pack_tokens,
+    page_slots,
+    put_where,
+    table_slots,
+)
 from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.sampler import argmax, filtered_probs, race
 from specserve.speculative.search import search_depth
@@ -78,6 +85,7 @@ class TreeGraphs(SpecGraphs):
         target_scratch, head_scratch = scratch
         self.topk, self.num_drafts = topk, num_drafts
         self.max_drafts = num_drafts
+        self.mask_rows = num_drafts + 1  # the root, then each node
         self.depth = search_depth(num_drafts, topk, num_steps)
         # Accepting a path of the full depth adds depth + 1 tokens, which the next catch-up feeds.
         super().__init__(target, drafter, kv_cache, self.depth + 1, setup)
@@ -205,24 +213,26 @@ class TreeGraphs(SpecGraphs):
                                                    tail_slots=tails, tail_lens=tail_lens, rows_per_seq=per_seq,
                                                    closed_tails=closed)
 
-    def _forward_packed(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
+    def _drafts(self, bs: int, n: int, metas: dict) -> dict:
+        return self._select(bs, *self._search(bs, n, metas))
+
+    def _target_logits(self, bs: int, n: int, nodes: dict, metas: dict) -> torch.Tensor:
+        return self._verify_logits(bs, n, nodes, metas)
+
+    def _accept_packed(self, bs: int, nodes: dict, logits: torch.Tensor, forced: torch.Tensor | None,
+                       params=None) -> torch.Tensor:
         """With the fused search, a greedy step accepts and packs in one kernel (triton_tree.accept_tree)."""
         if params is not None or not self.fused:
-            return super()._forward_packed(bs, n, metas, forced, params)
+            return self._keep_packed(bs, pack_tokens(*self._accept_logits(bs, nodes, logits, forced, params)))
         from specserve.kernels.triton import tree as triton_tree
 
-        candidates = self._search(bs, n, metas)
-        nodes = self._select(bs, *candidates)
-        best = argmax(self._verify_logits(bs, n, nodes, metas))
-        packed, src, dst = triton_tree.accept_tree(nodes, best, forced, self.real_slots[:bs], self.pad_slot,
+        packed, src, dst = triton_tree.accept_tree(nodes, argmax(logits), forced, self.real_slots[:bs], self.pad_slot,
                                                    self._roots(bs), self.last_packed, self.last_root)
         triton_tree.move_slots(self.kv_cache, self.drafter.taps, src.view(-1), dst.view(-1), self.pad_slot)
         return packed
 
-    def _forward(self, bs: int, n: int, metas: dict, forced: torch.Tensor | None, params=None):
-        candidates = self._search(bs, n, metas)
-        nodes = self._select(bs, *candidates)
-        logits = self._verify_logits(bs, n, nodes, metas)
+    def _accept_logits(self, bs: int, nodes: dict, logits: torch.Tensor, forced: torch.Tensor | None, params=None):
+        """(tokens, accepted drafts) per row, the accepted path's KV and taps moved into place."""
         best = argmax(logits)
         leaf = self._leaf(bs, nodes, best, forced)
         after = best.gather(1, leaf[:, None])[:, 0]
@@ -239,6 +249,13 @@ class TreeGraphs(SpecGraphs):
         tokens, accepted, path = self._emit(nodes, leaf, after)
         self._move_accepted(bs, nodes, path, accepted)
         return tokens, accepted
+
+    # -- rows under a grammar (`_constrained_step`) ---------------------------------------------------
+    def _drafts_on_host(self, nodes: dict, b: int) -> list[tuple[list[int], list[int]]]:
+        return list(zip(nodes["tokens"][:b].tolist(), nodes["parent"][:b].tolist()))
+
+    def _row_masks(self, seq, tree: tuple[list[int], list[int]], out: torch.Tensor) -> None:
+        out.copy_(seq.grammar.tree_masks(*tree))  # nodes past the scheduled drafts never decide
 
     def _search(self, bs: int, n: int, rows: dict):
         """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level; `rows`
@@ -355,10 +372,6 @@ class TreeGraphs(SpecGraphs):
         return {"tokens": torch.cat([self.root_ids[:bs, None], tokens.gather(1, kept)], dim=1),
                 "parent": parent, "depth": depth, "path": path, "in_tree": in_tree,
                 "slots": torch.cat([self.root_slots[:bs, None], self.target_scratch[:bs]], dim=1)}
-
-    def _verify(self, bs: int, n: int, nodes: dict, rows: dict) -> torch.Tensor:
-        """The target's argmax after every node [bs, N + 1]; stores the nodes' KV and taps in their slots."""
-        return argmax(self._verify_logits(bs, n, nodes, rows))
 
     def _verify_rows(self, bs: int, nodes: dict) -> dict:
         """What each of the verify's rows [bs * (N + 1)] reads besides its node: its tail (its path's slots,
