@@ -69,6 +69,18 @@ def test_greedy_in_the_program_equals_greedy_without_speculation(runs, config):
     assert sum(o.num_spec_steps for o in spec[:len(INDICES)]) > 0
 
 
+def test_with_program_masks_off_the_general_path_takes_them_alike(runs, tiny_chat_model, tiny_chat_head):
+    from specserve.llm import LLM
+
+    with envs.override(forced_drafts=False, program_masks=False):
+        llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192,
+                  spec=SpecConfig("EAGLE3", str(tiny_chat_head), *SHAPES["chain"]))
+        greedy = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
+    assert llm.engine.runner.program.num_masked_runs == 0
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in runs["off"][0]]
+    llm.close()
+
+
 @pytest.mark.parametrize("config", SHAPES)
 def test_every_output_is_valid_and_nothing_leaks(runs, config):
     greedy, sampled, _, pages_in_use = runs[config]

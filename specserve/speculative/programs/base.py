@@ -52,9 +52,6 @@ class SpecGraphs(abc.ABC):
     program and leaves each sequence's new tokens packed for one read-back, and rows that follow the last
     launch (`_follow`). Subclasses define the buffers, the rows and the program."""
 
-    # Rows under a grammar run the program in two halves (`_constrained_step`).
-    takes_masks = True
-
     def __init__(self, target: torch.nn.Module, drafter, kv_cache: torch.Tensor, width: int,
                  setup: ProgramSetup) -> None:
         self.target, self.drafter, self.kv_cache = target, drafter, kv_cache
@@ -167,15 +164,15 @@ class SpecGraphs(abc.ABC):
 
     def _finishes_on_device(self, seq) -> bool:
         """Whether the program can take the row's logits: no penalties, bias or log-probabilities (the general
-        path adjusts and reads them on the host); under a grammar, only a program that takes masks, with the
-        target's acceptance (a drawn one would accept what the grammar forbids), without a forced span (the
+        path adjusts and reads them on the host); under a grammar (`_constrained_step`), with the target's
+        acceptance (a drawn one would accept what the grammar forbids), without a forced span (the
         general path verifies those)."""
         params = seq.params
         if params.adjusts_logits or params.logprobs is not None:
             return False
         if seq.grammar is None:
             return True
-        return self.takes_masks and self.simulate_accept_len is None and not seq.forced_token_ids
+        return envs.get().program_masks and self.simulate_accept_len is None and not seq.forced_token_ids
 
     def without_backlog(self, batch: StepBatch) -> StepBatch:
         """The batch with each head catch-up cut to its last `width` rows: what the program takes once the
