@@ -110,3 +110,29 @@ def test_on_a_gpu_the_two_halves_replay_graphs_as_they_run_eagerly(tiny_chat_mod
         assert program.num_masked_runs > 10 and bool(program.masked_graphs) == graphs
         llm.close()
     assert outputs[True] == outputs[False]
+
+
+def test_the_first_draft_level_keeps_to_each_roots_grammar():
+    """`_grammar_first_level` reads each sequence's root mask (row 0 of its verify rows) through the
+    draft-to-target map: the head's best first draft is one the grammar allows; a row that allows none of the
+    head's tokens, and a row without a grammar (all allowed), keep their logits."""
+    import types
+
+    import torch
+
+    from specserve.speculative.programs.base import SpecGraphs
+
+    torch.manual_seed(0)
+    bs, rows, vocab = 3, 2, 96
+    draft_to_target = torch.tensor([1, 5, 8, 13, 40, 41, 77, 90])  # a draft vocabulary of 8
+    allowed = torch.zeros(bs * rows, vocab, dtype=torch.bool)
+    allowed[0, [5, 40, 63]] = True  # draft ids 1 and 4 (63 is not in the draft vocabulary)
+    allowed[2, [2, 3]] = True  # none of the head's tokens
+    allowed[4, :] = True  # unconstrained
+    words = (allowed.view(bs * rows, -1, 32).long() << torch.arange(32)).sum(-1)
+    program = types.SimpleNamespace(grammar_masks=words.to(torch.int64).to(torch.int32), mask_rows=rows,
+                                    _target_ids=91, _draft_to_target=draft_to_target)
+    logits = torch.randn(bs, len(draft_to_target))
+    out = SpecGraphs._grammar_first_level(program, bs, logits)
+    assert out[0].argmax().item() in (1, 4) and (out[0, [0, 2, 3, 5, 6, 7]] < -1000).all()
+    assert torch.equal(out[1:], logits[1:])

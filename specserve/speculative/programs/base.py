@@ -26,6 +26,8 @@ from specserve.speculative.simulate import draw_num_accepted
 
 
 GREEDY = SamplingParams(temperature=0.0)  # the settings of a padding row
+# The head's logit for a first-level draft its row's grammar forbids (`_grammar_first_level`).
+FORBIDDEN_DRAFT = -1e4
 
 # Backlogs up to this many rows a sequence catch up as decode rows on a GPU; longer ones (the head left behind
 # for a long shut spell) as a prefill chunk, which reads each context once instead of once per row.
@@ -72,6 +74,8 @@ class SpecGraphs(abc.ABC):
         # shape the two halves' graphs with what they leave: (drafts, verification, drafts out, packed out).
         self.grammar_masks: torch.Tensor | None = None
         self._host_masks: torch.Tensor | None = None
+        self._draft_to_target: torch.Tensor | None = None  # every draft id's target id
+        self._target_ids = 0  # the highest target id the head drafts, plus one
         self.masked_graphs: dict[tuple[int, int], tuple] = {}
         self.num_masked_runs = 0  # steps that held rows under a grammar
 
@@ -286,8 +290,9 @@ class SpecGraphs(abc.ABC):
         return self._accept_packed(bs, drafts, self._target_logits(bs, n, drafts, metas), forced, params)
 
     @abc.abstractmethod
-    def _drafts(self, bs: int, n: int, metas: dict):
-        """The head catches up and drafts: what the verify forward takes (a chain's tokens, a tree's nodes)."""
+    def _drafts(self, bs: int, n: int, metas: dict, masked: bool = False):
+        """The head catches up and drafts: what the verify forward takes (a chain's tokens, a tree's nodes).
+        `masked`: the first level within each row's grammar (`_grammar_first_level`)."""
 
     @abc.abstractmethod
     def _target_logits(self, bs: int, n: int, drafts, metas: dict) -> torch.Tensor:
@@ -364,24 +369,43 @@ class SpecGraphs(abc.ABC):
         masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each half's graph,
         captured at the shape's first such step; other batches run them eagerly. `_launch` uploaded the inputs;
         no row follows a launch (a grammar needs the tokens in flight)."""
-        if self.grammar_masks is None:  # one size for every grammar of an engine (the model's vocabulary)
-            words = next(s.grammar.num_words for s in seqs if s.grammar is not None)
-            shape = (self.max_bs * self.mask_rows, words)
-            self.grammar_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-            # Rewritten each step once its drafts are read back, when the last step's copy is long done.
-            self._host_masks = torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        if self.grammar_masks is None:
+            self._allocate_masks(next(s.grammar.num_words for s in seqs if s.grammar is not None))
+        self._fill_masks(seqs, bs)  # each root's row, for the first draft level
         graphs = self._masked_graphs(bs, n) if params is None else None
         if graphs is not None:
             graphs[0].replay()
             drafts = graphs[2]
         else:
-            drafts = self._drafts(bs, n, self._metas(bs, n))
+            drafts = self._drafts(bs, n, self._metas(bs, n), masked=True)
         self._fill_masks(seqs, bs, self._drafts_on_host(drafts, len(seqs)))
         self.num_masked_runs += 1
         if graphs is not None:
             graphs[1].replay()
             return graphs[3]
         return self._verify_masked(bs, n, drafts, params)
+
+    def _allocate_masks(self, words: int) -> None:
+        """One size for every grammar of an engine (the model's vocabulary)."""
+        shape = (self.max_bs * self.mask_rows, words)
+        self.grammar_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        # Rewritten twice a step: before the drafts, when the last step has been read back, and once they are
+        # read back, when the first copy is done.
+        self._host_masks = torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        draft_ids = torch.arange(len(self.head.d2t), device=self.device)
+        self._draft_to_target = self.head.to_target_ids(draft_ids)
+        self._target_ids = int(self._draft_to_target.max()) + 1
+
+    def _grammar_first_level(self, bs: int, logits: torch.Tensor) -> torch.Tensor:
+        """The head's first-level logits [bs, draft vocabulary] with the tokens each row's grammar forbids after
+        its root pushed far down (read through the draft-to-target map from the root's verify mask), so that
+        the first draft is one the grammar allows. A large finite penalty rather than -inf keeps a tree's
+        cumulative scores finite where a row allows fewer than top-k tokens; a row that allows none of the
+        head's tokens is left as it was."""
+        roots = self.grammar_masks[: bs * self.mask_rows: self.mask_rows]
+        allowed = allowed_tokens(roots, self._target_ids)[:, self._draft_to_target]
+        allowed |= ~allowed.any(dim=1, keepdim=True)
+        return logits.masked_fill(~allowed, FORBIDDEN_DRAFT)
 
     @abc.abstractmethod
     def _drafts_on_host(self, drafts, b: int) -> list:
@@ -397,13 +421,18 @@ class SpecGraphs(abc.ABC):
         logits = logits.masked_fill(forbidden.view(logits.shape), float("-inf"))
         return self._accept_packed(bs, drafts, logits, None, params)
 
-    def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
-        """Each constrained row's verify masks (`_row_masks`); every other row allows everything."""
+    def _fill_masks(self, seqs, bs: int, drafts: list | None = None) -> None:
+        """Each constrained row's verify masks (`_row_masks`), or without `drafts` its root's alone; every other
+        row allows everything."""
         rows = self.mask_rows
         host = self._host_masks[: bs * rows].fill_(-1)
         for i, seq in enumerate(seqs):
             if seq.grammar is not None:
-                self._row_masks(seq, drafts[i], host[i * rows: (i + 1) * rows])
+                out = host[i * rows: (i + 1) * rows]
+                if drafts is None:
+                    seq.grammar.chain_masks([], out[:1])
+                else:
+                    self._row_masks(seq, drafts[i], out)
         self.grammar_masks[: bs * rows].copy_(host, non_blocking=True)
 
     def _masked_graphs(self, bs: int, n: int) -> tuple | None:
@@ -422,11 +451,11 @@ class SpecGraphs(abc.ABC):
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            self._verify_masked(bs, n, self._drafts(bs, n, self._metas(bs, n)))
+            self._verify_masked(bs, n, self._drafts(bs, n, self._metas(bs, n), masked=True))
         current.wait_stream(stream)
         graphs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[0], pool=self.graph_pool):
-            drafts = self._drafts(bs, n, self._metas(bs, n))
+            drafts = self._drafts(bs, n, self._metas(bs, n), masked=True)
         with torch.cuda.graph(graphs[1], pool=self.graph_pool):
             packed = self._verify_masked(bs, n, drafts)
         return (*graphs, drafts, packed)

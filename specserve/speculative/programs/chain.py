@@ -179,8 +179,8 @@ class ChainGraphs(SpecGraphs):
             self.page_size, kv_heads, n, tail_slots=slots.repeat_interleave(w, 0), tail_lens=tail_lens,
             rows_per_seq=w)
 
-    def _drafts(self, bs: int, n: int, metas: dict) -> torch.Tensor:
-        return self._draft(bs, metas)
+    def _drafts(self, bs: int, n: int, metas: dict, masked: bool = False) -> torch.Tensor:
+        return self._draft(bs, metas, masked)
 
     def _target_logits(self, bs: int, n: int, drafts: torch.Tensor, metas: dict) -> torch.Tensor:
         return self._verify_logits(bs, metas["verify"])
@@ -213,9 +213,9 @@ class ChainGraphs(SpecGraphs):
         is_greedy = tensor_on([p.greedy for p in params], self.device)
         return tuple(torch.where(is_greedy.view(-1, *[1] * (g.dim() - 1)), g, s) for g, s in zip(greedy, sampled))
 
-    def _draft(self, bs: int, metas: dict) -> torch.Tensor:
+    def _draft(self, bs: int, metas: dict, masked: bool = False) -> torch.Tensor:
         """The head catches up, then drafts k tokens greedily: [bs, k] target ids, a view of `verify_ids` (which
-        the next step overwrites)."""
+        the next step overwrites). `masked`: the first draft within each row's grammar (`_grammar_first_level`)."""
         head, drafter = self.head, self.drafter
         embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
         catch_slots = self.catch_slots[:bs].view(-1)
@@ -224,7 +224,10 @@ class ChainGraphs(SpecGraphs):
                      drafter.kv_cache, self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
         # Each draft goes straight into the verify's ids (in target ids), after the root `_metas` put there.
         drafts = self.verify_ids[:bs, 1:]
-        token = argmax(head.compute_logits(state), head.d2t, out=drafts[:, 0])
+        logits = head.compute_logits(state)
+        if masked:
+            logits = self._grammar_first_level(bs, logits)
+        token = argmax(logits, head.d2t, out=drafts[:, 0])
         for i in range(self.k - 1):
             state = head(embedding, state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache, token)
             token = argmax(head.compute_logits(state), head.d2t, out=drafts[:, i + 1])

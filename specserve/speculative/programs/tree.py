@@ -213,8 +213,8 @@ class TreeGraphs(SpecGraphs):
                                                    tail_slots=tails, tail_lens=tail_lens, rows_per_seq=per_seq,
                                                    closed_tails=closed)
 
-    def _drafts(self, bs: int, n: int, metas: dict) -> dict:
-        return self._select(bs, *self._search(bs, n, metas))
+    def _drafts(self, bs: int, n: int, metas: dict, masked: bool = False) -> dict:
+        return self._select(bs, *self._search(bs, n, metas, masked))
 
     def _target_logits(self, bs: int, n: int, nodes: dict, metas: dict) -> torch.Tensor:
         return self._verify_logits(bs, n, nodes, metas)
@@ -257,9 +257,9 @@ class TreeGraphs(SpecGraphs):
     def _row_masks(self, seq, tree: tuple[list[int], list[int]], out: torch.Tensor) -> None:
         out.copy_(seq.grammar.tree_masks(*tree))  # nodes past the scheduled drafts never decide
 
-    def _search(self, bs: int, n: int, rows: dict):
+    def _search(self, bs: int, n: int, rows: dict, masked: bool = False):
         """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level; `rows`
-        as `_metas` makes them."""
+        as `_metas` makes them. `masked`: the first level within each row's grammar (`_grammar_first_level`)."""
         head, drafter, k = self.head, self.drafter, self.topk
         embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
         catch_slots = self.catch_slots[:bs].view(-1)
@@ -267,7 +267,10 @@ class TreeGraphs(SpecGraphs):
         # [bs, H]: what the root's children are fed with, from each sequence's last catch-up row
         state = head(embedding, drafter.taps[catch_slots], self.catch_pos[:bs].view(-1), meta, drafter.kv_cache,
                      self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
-        values, indices = log_softmax_topk(head.compute_logits(state), k)
+        logits = head.compute_logits(state)
+        if masked:
+            logits = self._grammar_first_level(bs, logits)
+        values, indices = log_softmax_topk(logits, k)
         if self.fused:
             return self._search_fused(bs, n, rows, state, values, indices)
         tokens, scores = [head.to_target_ids(indices)], [values]
