@@ -114,3 +114,13 @@ def run_mixed_sampling(engine, prompts: list[list[int]], max_tokens: int = 24) -
         for delta in engine.step():
             outputs[delta.request_id] += delta.new_token_ids
     return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def run_batch(llm, prompts, params) -> tuple[list, int]:
+    """Runs requests through the offline API together: their outputs, and the engine steps they took."""
+    trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
+    steps = 0
+    while llm.engine.has_work():
+        llm.step_and_track(trackers)
+        steps += 1
+    return [t.output for t in trackers], steps

@@ -18,6 +18,7 @@ from specserve.engine.scheduler import MAX_FORCED_TOKENS, Scheduler
 from specserve.kv.pages import PageAllocator
 from specserve.sampling.grammar_mask import allowed_tokens
 from specserve.structured.grammar import Grammars
+from engine_runs import run_batch
 
 VOCAB = 49152  # the tiny chat model shares SmolLM2's vocabulary
 # Long literal runs between short free fields: most tokens are forced.
@@ -141,16 +142,6 @@ def test_where_steps_replay_graphs_no_request_gets_a_span():
     assert seqs["drafting"].forced_token_ids == [] and seqs["drafting"].num_draft_tokens == 3
 
 
-def run(llm, prompts, params) -> tuple[list, int]:
-    """The outputs, and the engine steps the batch took."""
-    trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
-    steps = 0
-    while llm.engine.has_work():
-        llm.step_and_track(trackers)
-        steps += 1
-    return [t.output for t in trackers], steps
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_chat_model, tiny_chat_head):
     """Per configuration and forced drafts on or off: the greedy requests alone (their steps), then a batch of
@@ -163,8 +154,8 @@ def runs(tiny_chat_model, tiny_chat_head):
         llm = LLM(model=str(tiny_chat_model), max_total_tokens=4096, **spec)
         for forced in (True, False) if name == "off" else (True,):
             with envs.override(forced_drafts=forced):
-                greedy = run(llm, PROMPTS, GREEDY)
-                mixed = run(llm, PROMPTS + ["Tell me a story."], SAMPLED + [FREE])[0]
+                greedy = run_batch(llm, PROMPTS, GREEDY)
+                mixed = run_batch(llm, PROMPTS + ["Tell me a story."], SAMPLED + [FREE])[0]
             results[name, forced] = (greedy, mixed, llm.engine.scheduler.allocator.num_used)
     return results
 

@@ -15,6 +15,7 @@ from specserve.bench.schemas import SCHEMAS
 from specserve.config import SpecConfig
 from specserve.core import Constraint, SamplingParams
 from specserve.structured.step_masks import MaskTiming, MaskWorker, StepMasks
+from engine_runs import run_batch
 
 REGEX = r"[a-z]{3,10}( [a-z]{3,10}){2,5}\."  # free letters: few steps have a forced token
 CONFIGS = {"off": None, "chain": (3, 1, None), "tree": (3, 2, 6)}
@@ -42,10 +43,7 @@ def mixed_batch() -> tuple[list[str], list[SamplingParams]]:
 
 
 def run(llm, prompts, params):
-    trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
-    while llm.engine.has_work():
-        llm.step_and_track(trackers)
-    return [(t.output.token_ids, t.output.finish_reason) for t in trackers]
+    return [(o.token_ids, o.finish_reason) for o in run_batch(llm, prompts, params)[0]]
 
 
 @pytest.mark.parametrize("config, forced", [("off", False), ("chain", True), ("tree", False)])

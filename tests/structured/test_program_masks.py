@@ -14,6 +14,7 @@ from specserve import envs
 from specserve.bench.schemas import SCHEMAS
 from specserve.config import SpecConfig
 from specserve.core import Constraint, SamplingParams
+from engine_runs import run_batch
 
 INDICES = list(range(0, len(SCHEMAS), 3))
 FREE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -31,10 +32,7 @@ def prompts() -> list[str]:
 
 
 def run(llm, prompts, params):
-    trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
-    while llm.engine.has_work():
-        llm.step_and_track(trackers)
-    return [t.output for t in trackers]
+    return run_batch(llm, prompts, params)[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 from specserve.bench.schemas import SCHEMAS
 from specserve.config import SpecConfig
 from specserve.core import Constraint, SamplingParams
+from engine_runs import run_batch
 
 REGEX = r"(yes|no), [a-z]{2,5} [0-9]{1,3}\."
 EBNF = 'root ::= "(" item ("," item){0,3} ")"\nitem ::= [a-c] | [0-9] [0-9]?'
@@ -44,10 +45,7 @@ GRAMMAR_PARAMS = [SamplingParams(max_tokens=60, temperature=0.0, constraint=Cons
 
 
 def run(llm, prompts, params):
-    trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
-    while llm.engine.has_work():
-        llm.step_and_track(trackers)
-    return [t.output for t in trackers]
+    return run_batch(llm, prompts, params)[0]
 
 
 @pytest.fixture(scope="module")
