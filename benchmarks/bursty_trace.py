@@ -13,7 +13,8 @@ Docs figure it reproduces: the CPU bursty trace in docs/speculative.md (`bursty_
     python benchmarks/bursty_trace.py --period 10 --duration 40 --low-rate 0.2 --high-rate 3 --max-tokens 32
 
 (defaults: the embedded SmolLM2 with its bundled head, chains up to its 5 steps; on a GPU pass the target and
-head flags after `--`, e.g. `-- --model-path M --speculative-draft-model-path H`).
+head flags after `--`, e.g. `-- --model-path M --speculative-draft-model-path H`; `--spec-flags` go to the
+speculative settings alone, e.g. simulated acceptance for a random head: `benchmarks/gpu_h200.sh bursty_a`).
 """
 from __future__ import annotations
 
@@ -54,13 +55,14 @@ def arrivals(duration: float, period: float, low: float, high: float, seed: int)
 
 
 def run_setting(name: str, flags: list[str], extra: list[str], prompts, trace: list[float], args) -> dict:
+    if name != "plain":
+        extra = extra + args.spec_flags.split()
     from specserve.bench.report import distribution
     from specserve.bench.serving import LoadSettings, make_client, probe, run_arrivals, wait_until_healthy
 
     url = f"http://127.0.0.1:{args.port}"
-    exe = Path(sys.executable).parent / "specserve"
-    server = subprocess.Popen([str(exe), "serve", "--port", str(args.port), *flags, *extra],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(args.port), *flags, *extra]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until_healthy(url, server)
         model, _ = probe(url, None)
@@ -100,6 +102,7 @@ def main() -> None:
                         help="run the settings in reverse order (a second run so drift lands on both ends)")
     parser.add_argument("--port", type=int, default=30571)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spec-flags", default="", help="flags the speculative settings get besides (one string)")
     parser.add_argument("--out", default=str(RESULTS / "bursty_cpu.json"))
     parser.add_argument("serve_flags", nargs=argparse.REMAINDER, help="after --: flags every server gets")
     args = parser.parse_args()

@@ -18,16 +18,19 @@
 #   moe         the MoE shapes (Qwen3-30B-A3B, Moonlight-16B-A3B; random bf16 weights route uniformly): decode at
 #               batch 1-32, and on the Qwen shape plain against a chain of 3 at simulated tau 3 (spec_off_tax.py)
 #   policy3     issue 47's shape-choice set at simulated tau 3 / 4 (policy3a, policy3b: its halves); policy1: at tau 1
-#   structured  (only when named) JSON-schema constraints on the 8B shape at batch 1 and 64 (STRUCTURED_TOKENIZER)
+#   structured  (only when named) JSON-schema constraints on the 8B shape at batch 1 and 64 (TOKENIZER_DIR)
+#   bursty_a, bursty_b  (only when named) issue 47's bursty trace through the server, 8B shape, random head at
+#               simulated tau 3 (TOKENIZER_DIR): plain and static chains 1/3/5; SGLang's tiers and the adaptive plans
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
 # Needs the test extras importable (fastapi, uvicorn, openai, jsonschema, xgrammar, gguf) for tests2 and structured.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests | tests1 | tests2] [decode] [sweep] [specsweep | chainsweep | treesweep]
 #        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [structured] [tp1]
+#        [bursty_a] [bursty_b]
 #        [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
 #        [decisions]
-#        (none: all but decisions, structured and tp1)
+#        (none: all but decisions, structured, bursty and tp1)
 #        WAVES_MODEL=qwen3-30b-a3b WAVES_TAG=qwen3_30b SWEEP_LOW=1 SWEEP_HIGH=10,30,100,250: the MoE waves
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -129,15 +132,30 @@ if [[ $modes == *" tp1 "* ]]; then  # only when named: it needs TP_BASE
   python3 benchmarks/compare_revisions.py --base "${TP_BASE:?TP_BASE: a copy of the package before TP}" --out "$OUT"
 fi
 # Issue 48's figures: JSON-schema constraints against free text, at batch 1 and 64, speculation off, chain and
-# tree (random head), overlap off and on. A shipped config has no tokenizer: STRUCTURED_TOKENIZER names a copy
+# tree (random head), overlap off and on. A shipped config has no tokenizer: TOKENIZER_DIR names a copy
 # of SmolLM2's (tokenizer.json, tokenizer_config.json, chat_template.jinja), whose ids all lie inside the 8B
 # vocabulary. Random weights write random JSON until the grammar ends it or max_tokens cuts it.
-if [[ $modes == *" structured "* ]]; then  # only when named: it needs STRUCTURED_TOKENIZER
+if [[ $modes == *" structured "* ]]; then  # only when named: it needs TOKENIZER_DIR
   for bs in 1 64; do
     python3 -m specserve.cli bench structured --device cuda --model-path llama-3.1-8b --load-format dummy \
-      --dtype bfloat16 --context-length 2048 --tokenizer-path "${STRUCTURED_TOKENIZER:?a tokenizer directory}" \
+      --dtype bfloat16 --context-length 2048 --tokenizer-path "${TOKENIZER_DIR:?a tokenizer directory}" \
       --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 2 --out "$OUT/structured_8b_bs${bs}_h200.json"
   done
+fi
+# Issue 47's bursty trace: Poisson arrivals switching between 2 and 40 requests a second every 15 s, for 60 s,
+# through a fresh server per setting (benchmarks/bursty_trace.py). Too long for one call: two halves.
+bursty() {  # NAME SETTINGS...
+  local name=$1; shift
+  python3 benchmarks/bursty_trace.py --period 15 --duration 60 --low-rate 2 --high-rate 40 --max-tokens 256 \
+    --steps 5 --only "$@" --spec-flags "--speculative-simulate-accept-len 3.0" --out "$OUT/bursty_8b_${name}_h200.json" \
+    -- --device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048 \
+    --tokenizer-path "${TOKENIZER_DIR:?a tokenizer directory}"
+}
+if [[ $modes == *" bursty_a "* ]]; then
+  bursty a plain "static chain 1" "static chain 3" "static chain 5"
+fi
+if [[ $modes == *" bursty_b "* ]]; then
+  bursty b "sglang tiers" "adaptive on-off" "adaptive goodput"
 fi
 if want tax; then
   python3 benchmarks/spec_off_tax.py --profile --host-profile --out "$OUT/spec_off_tax_h200.json"
