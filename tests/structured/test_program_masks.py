@@ -76,6 +76,9 @@ def test_with_program_masks_off_the_general_path_takes_them_alike(runs, tiny_cha
         greedy = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
     assert llm.engine.runner.program.num_masked_runs == 0
     assert [o.token_ids for o in greedy] == [o.token_ids for o in runs["off"][0]]
+    # Each draft level keeps to the grammar in the chain program as in the general search: the same drafts,
+    # so the same steps per request.
+    assert [o.num_spec_steps for o in greedy] == [o.num_spec_steps for o in runs["chain"][0]]
     llm.close()
 
 
@@ -110,27 +113,30 @@ def test_on_a_gpu_the_two_halves_replay_graphs_as_they_run_eagerly(tiny_chat_mod
     assert outputs[True] == outputs[False]
 
 
-def test_the_first_draft_level_keeps_to_each_roots_grammar():
-    """`_grammar_first_level` reads each sequence's root mask (row 0 of its verify rows) through the
-    draft-to-target map: the head's best first draft is one the grammar allows; a row that allows none of the
-    head's tokens, and a row without a grammar (all allowed), keep their logits."""
+@pytest.mark.parametrize("row", [0, 1])
+def test_a_draft_level_keeps_to_the_grammar_of_its_verify_row(row):
+    """`_grammar_level` reads each sequence's verify row `row` (the grammar after the drafts before the level)
+    through the draft-to-target map: the head's best draft is one the grammar allows; a sequence that allows
+    none of the head's tokens, and one without a grammar (all allowed), keep their logits."""
     import types
 
     import torch
 
     from specserve.speculative.programs.base import SpecGraphs
 
-    torch.manual_seed(0)
+    torch.manual_seed(row)
     bs, rows, vocab = 3, 2, 96
     draft_to_target = torch.tensor([1, 5, 8, 13, 40, 41, 77, 90])  # a draft vocabulary of 8
-    allowed = torch.zeros(bs * rows, vocab, dtype=torch.bool)
-    allowed[0, [5, 40, 63]] = True  # draft ids 1 and 4 (63 is not in the draft vocabulary)
-    allowed[2, [2, 3]] = True  # none of the head's tokens
-    allowed[4, :] = True  # unconstrained
+    allowed = torch.ones(bs * rows, vocab, dtype=torch.bool)  # rows other than `row` allow everything
+    for seq in range(bs):
+        allowed[seq * rows + row] = False
+    allowed[row, [5, 40, 63]] = True  # draft ids 1 and 4 (63 is not in the draft vocabulary)
+    allowed[rows + row, [2, 3]] = True  # none of the head's tokens
+    allowed[2 * rows + row, :] = True  # unconstrained
     words = (allowed.view(bs * rows, -1, 32).long() << torch.arange(32)).sum(-1)
-    program = types.SimpleNamespace(grammar_masks=words.to(torch.int64).to(torch.int32), mask_rows=rows,
-                                    _target_ids=91, _draft_to_target=draft_to_target)
+    program = types.SimpleNamespace(grammar_masks=words.to(torch.int32), mask_rows=rows, _target_ids=91,
+                                    _draft_to_target=draft_to_target)
     logits = torch.randn(bs, len(draft_to_target))
-    out = SpecGraphs._grammar_first_level(program, bs, logits)
+    out = SpecGraphs._grammar_level(program, bs, logits, row)
     assert out[0].argmax().item() in (1, 4) and (out[0, [0, 2, 3, 5, 6, 7]] < -1000).all()
     assert torch.equal(out[1:], logits[1:])

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import abc
 import bisect
+import functools
+import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,8 +28,10 @@ from specserve.speculative.drafters.base import eagle3_catch_up
 from specserve.speculative.simulate import draw_num_accepted
 
 
+log = logging.getLogger(__name__)
+
 GREEDY = SamplingParams(temperature=0.0)  # the settings of a padding row
-# The head's logit for a first-level draft its row's grammar forbids (`_grammar_first_level`).
+# The head's logit for a draft its row's grammar forbids (`_grammar_level`).
 FORBIDDEN_DRAFT = -1e4
 
 # Backlogs up to this many rows a sequence catch up as decode rows on a GPU; longer ones (the head left behind
@@ -71,9 +76,11 @@ class SpecGraphs(abc.ABC):
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # per graph: its packed tokens and counts
         self.graph_pool = None  # the memory pool the graphs share (a later capture joins it)
         # Grammar masks of the verify rows (`_constrained_step`), allocated at the first such step, and per
-        # shape the two halves' graphs with what they leave: (drafts, verification, drafts out, packed out).
+        # shape its parts as graph replays: (the draft parts', the verification's).
         self.grammar_masks: torch.Tensor | None = None
         self._host_masks: torch.Tensor | None = None
+        self._host_level: torch.Tensor | None = None
+        self._chain_scratch: torch.Tensor | None = None
         self._draft_to_target: torch.Tensor | None = None  # every draft id's target id
         self._target_ids = 0  # the highest target id the head drafts, plus one
         self.masked_graphs: dict[tuple[int, int], tuple] = {}
@@ -265,6 +272,7 @@ class SpecGraphs(abc.ABC):
         if not all(s.params.greedy for s in seqs):  # eager: filtering branches on the settings (`_forward`)
             params = [s.params for s in seqs] + [GREEDY] * (bs - b)
         if any(s.grammar is not None for s in seqs):
+            assert batch.follow is None, "a grammar needs the tokens of the step in flight"
             packed = self._constrained_step(seqs, bs, n, params)
         elif params is not None:
             packed = self._step(bs, n, forced, params)
@@ -290,9 +298,8 @@ class SpecGraphs(abc.ABC):
         return self._accept_packed(bs, drafts, self._target_logits(bs, n, drafts, metas), forced, params)
 
     @abc.abstractmethod
-    def _drafts(self, bs: int, n: int, metas: dict, masked: bool = False):
-        """The head catches up and drafts: what the verify forward takes (a chain's tokens, a tree's nodes).
-        `masked`: the first level within each row's grammar (`_grammar_first_level`)."""
+    def _drafts(self, bs: int, n: int, metas: dict):
+        """The head catches up and drafts: what the verify forward takes (a chain's tokens, a tree's nodes)."""
 
     @abc.abstractmethod
     def _target_logits(self, bs: int, n: int, drafts, metas: dict) -> torch.Tensor:
@@ -363,47 +370,56 @@ class SpecGraphs(abc.ABC):
     mask_rows: int  # verify rows per sequence: a grammar mask each
 
     def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
-        """A step with rows under a grammar, in two halves: the drafts (unmasked: a draft the grammar forbids is
-        never accepted, as the verify row before it rejects it), read back; each constrained row's verify masks
-        filled on the host (`_row_masks`); then verification with the masks applied, so the bonus token is the
-        masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each half's graph,
-        captured at the shape's first such step; other batches run them eagerly. `_launch` uploaded the inputs;
-        no row follows a launch (a grammar needs the tokens in flight)."""
+        """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a
+        read-back of the drafts so far and the host filling each constrained row's masks for them
+        (`_row_masks`), so that the next draft level keeps to the grammar; then verification with every verify
+        row's mask applied, so that a draft the grammar forbids is never accepted and the bonus token is the
+        masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each part's
+        graph, captured at the shape's first such step; other batches run them eagerly. `_launch` uploaded the
+        inputs; no row follows a launch (a grammar needs the tokens in flight)."""
         if self.grammar_masks is None:
             self._allocate_masks(next(s.grammar.num_words for s in seqs if s.grammar is not None))
-        self._fill_masks(seqs, bs)  # each root's row, for the first draft level
-        graphs = self._masked_graphs(bs, n) if params is None else None
-        if graphs is not None:
-            graphs[0].replay()
-            drafts = graphs[2]
-        else:
-            drafts = self._drafts(bs, n, self._metas(bs, n), masked=True)
-        self._fill_masks(seqs, bs, self._drafts_on_host(drafts, len(seqs)))
+        self._fill_level(seqs, bs, 0, [[] for _ in seqs])  # each root's row, for the first draft level
+        captured = self._masked_graphs(bs, n) if params is None else None
+        parts, verify = captured if captured is not None else self._masked_parts(bs, n, params)
+        for level, part in enumerate(parts, start=1):
+            drafts = self._drafts_on_host(part(), len(seqs))
+            if level < len(parts):
+                self._fill_level(seqs, bs, level, drafts)  # the next part's draft level
+            else:
+                self._fill_masks(seqs, bs, drafts)  # every verify row
         self.num_masked_runs += 1
-        if graphs is not None:
-            graphs[1].replay()
-            return graphs[3]
-        return self._verify_masked(bs, n, drafts, params)
+        return verify()
+
+    @abc.abstractmethod
+    def _masked_parts(self, bs: int, n: int, params: list[SamplingParams] | None = None
+                      ) -> tuple[list[Callable[[], object]], Callable[[], torch.Tensor]]:
+        """A constrained step's device work: the draft parts (each returns the drafts so far, for
+        `_drafts_on_host`; a part's masked draft level reads the masks the host filled before it), and the
+        verification (returns the packed tokens)."""
 
     def _allocate_masks(self, words: int) -> None:
         """One size for every grammar of an engine (the model's vocabulary)."""
         shape = (self.max_bs * self.mask_rows, words)
         self.grammar_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        # Rewritten twice a step: before the drafts, when the last step has been read back, and once they are
-        # read back, when the first copy is done.
-        self._host_masks = torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        # Rewritten each step once its drafts are read back, when the last copy from it is done; one draft
+        # level's rows go through `_host_level` (each step's first, when the last step has been read back).
+        pinned = self.device.type == "cuda"
+        self._host_masks = torch.empty(shape, dtype=torch.int32, pin_memory=pinned)
+        self._host_level = torch.empty(self.max_bs, words, dtype=torch.int32, pin_memory=pinned)
+        self._chain_scratch = torch.empty(self.mask_rows, words, dtype=torch.int32)
         draft_ids = torch.arange(len(self.head.d2t), device=self.device)
         self._draft_to_target = self.head.to_target_ids(draft_ids)
         self._target_ids = int(self._draft_to_target.max()) + 1
 
-    def _grammar_first_level(self, bs: int, logits: torch.Tensor) -> torch.Tensor:
-        """The head's first-level logits [bs, draft vocabulary] with the tokens each row's grammar forbids after
-        its root pushed far down (read through the draft-to-target map from the root's verify mask), so that
-        the first draft is one the grammar allows. A large finite penalty rather than -inf keeps a tree's
-        cumulative scores finite where a row allows fewer than top-k tokens; a row that allows none of the
-        head's tokens is left as it was."""
-        roots = self.grammar_masks[: bs * self.mask_rows: self.mask_rows]
-        allowed = allowed_tokens(roots, self._target_ids)[:, self._draft_to_target]
+    def _grammar_level(self, bs: int, logits: torch.Tensor, row: int = 0) -> torch.Tensor:
+        """The head's logits [bs, draft vocabulary] for one draft level, with the tokens each sequence's grammar
+        forbids there pushed far down: its verify row `row`'s mask (the grammar after the root and the drafts
+        before the level), read through the draft-to-target map. A large finite penalty rather than -inf keeps
+        a tree's cumulative scores finite where a row allows fewer than top-k tokens; a row that allows none of
+        the head's tokens is left as it was."""
+        masks = self.grammar_masks[row: bs * self.mask_rows: self.mask_rows]
+        allowed = allowed_tokens(masks, self._target_ids)[:, self._draft_to_target]
         allowed |= ~allowed.any(dim=1, keepdim=True)
         return logits.masked_fill(~allowed, FORBIDDEN_DRAFT)
 
@@ -415,50 +431,68 @@ class SpecGraphs(abc.ABC):
     def _row_masks(self, seq, drafts, out: torch.Tensor) -> None:
         """Fills `out` [mask_rows, words] with what `seq`'s grammar allows after each verify row's path."""
 
-    def _verify_masked(self, bs: int, n: int, drafts, params: list[SamplingParams] | None = None) -> torch.Tensor:
-        logits = self._target_logits(bs, n, drafts, self._metas(bs, n))
+    def _verify_masked(self, bs: int, n: int, drafts, metas: dict, params: list[SamplingParams] | None = None
+                       ) -> torch.Tensor:
+        logits = self._target_logits(bs, n, drafts, metas)  # a fresh tensor: masked in place
         forbidden = allowed_tokens(self.grammar_masks[: bs * self.mask_rows], logits.shape[-1], forbidden=True)
-        logits = logits.masked_fill(forbidden.view(logits.shape), float("-inf"))
+        logits.masked_fill_(forbidden.view(logits.shape), float("-inf"))
         return self._accept_packed(bs, drafts, logits, None, params)
 
-    def _fill_masks(self, seqs, bs: int, drafts: list | None = None) -> None:
-        """Each constrained row's verify masks (`_row_masks`), or without `drafts` its root's alone; every other
-        row allows everything."""
+    def _fill_level(self, seqs, bs: int, row: int, drafts: list) -> None:
+        """Verify row `row` of every sequence alone (the mask of draft level `row`: the grammar after the root
+        and the first `row` drafts), for a draft part; a sequence without a grammar, or with fewer drafts
+        scheduled (that level's draft is never verified), allows everything."""
+        host, scratch = self._host_level[:bs].fill_(-1), self._chain_scratch[: row + 1]
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None and row < seq.num_draft_tokens:
+                scratch.fill_(-1)
+                seq.grammar.chain_masks(drafts[i][:row], scratch)
+                host[i] = scratch[row]
+        self.grammar_masks[row: bs * self.mask_rows: self.mask_rows].copy_(host, non_blocking=True)
+
+    def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
+        """Every verify row's mask of each constrained sequence (`_row_masks`); every other row allows
+        everything."""
         rows = self.mask_rows
         host = self._host_masks[: bs * rows].fill_(-1)
         for i, seq in enumerate(seqs):
             if seq.grammar is not None:
-                out = host[i * rows: (i + 1) * rows]
-                if drafts is None:
-                    seq.grammar.chain_masks([], out[:1])
-                else:
-                    self._row_masks(seq, drafts[i], out)
+                self._row_masks(seq, drafts[i], host[i * rows: (i + 1) * rows])
         self.grammar_masks[: bs * rows].copy_(host, non_blocking=True)
 
     def _masked_graphs(self, bs: int, n: int) -> tuple | None:
-        """The two halves' graphs at this shape, captured now if this is its first constrained step; None where
-        the program runs eagerly (a CPU, or graphs off)."""
+        """`_masked_parts` at this shape as graph replays, captured now if this is its first constrained step;
+        None where the program runs eagerly (a CPU, or graphs off)."""
         if not self.graphs:
             return None
         if (bs, n) not in self.masked_graphs:
-            self.masked_graphs[(bs, n)] = self._capture_masked(bs, n)
+            try:
+                self.masked_graphs[(bs, n)] = self._capture_masked(bs, n)
+            except Exception:  # the step runs eagerly, as every later one of this shape
+                log.exception("capturing the constrained step's graphs at batch %d, context %d failed", bs, n)
+                self.masked_graphs[(bs, n)] = None
         return self.masked_graphs[(bs, n)]
 
     def _capture_masked(self, bs: int, n: int) -> tuple:
-        """Runs both halves once on a side stream (writing only what the step's replay writes again: the
+        """Runs every part once on a side stream (writing only what the step's replay writes again: the
         buffers hold its inputs), then captures each into the program graphs' pool."""
         current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            self._verify_masked(bs, n, self._drafts(bs, n, self._metas(bs, n), masked=True))
+            parts, verify = self._masked_parts(bs, n)
+            for part in parts:
+                part()
+            verify()
         current.wait_stream(stream)
-        graphs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[0], pool=self.graph_pool):
-            drafts = self._drafts(bs, n, self._metas(bs, n), masked=True)
-        with torch.cuda.graph(graphs[1], pool=self.graph_pool):
-            packed = self._verify_masked(bs, n, drafts)
-        return (*graphs, drafts, packed)
+        parts, verify = self._masked_parts(bs, n)
+        replays = []
+        for run in [*parts, verify]:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                out = run()
+            replays.append(functools.partial(_replay, graph, out))
+        return replays[:-1], replays[-1]
 
     @torch.inference_mode()
     def _capture(self, progress: bool, desc: str) -> None:
@@ -522,3 +556,8 @@ def table_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) ->
     past it."""
     page = (positions // page_size).clamp(max=table.shape[1] - 1)
     return table.gather(1, page).long() * page_size + positions % page_size
+
+
+def _replay(graph: torch.cuda.CUDAGraph, out):
+    graph.replay()
+    return out

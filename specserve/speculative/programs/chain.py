@@ -20,8 +20,8 @@ query can see.
 
 Greedy requests, and sampled requests without a seed (a seeded request draws from its own generator in the
 general path, so that its output does not depend on what shares its batches). Requests under a grammar too
-(`_constrained_step`): the drafts are read back after step 2, the host fills each such row's masks along its
-chain, and step 3's logits are masked before acceptance; on a GPU the two halves replay graphs of their own. Steps with sampled rows run the
+(`_constrained_step`): step 2 runs one level at a time, each draft read back so that the host fills the next
+level's mask, and step 3's logits are masked before acceptance; on a GPU each part replays a graph of its own. Steps with sampled rows run the
 program eagerly, not from a graph: their filtering branches on the requests' settings on the host, which
 costs no sync. On a CPU the same program runs eagerly with the reference attention, which is how CI checks it.
 """
@@ -179,8 +179,8 @@ class ChainGraphs(SpecGraphs):
             self.page_size, kv_heads, n, tail_slots=slots.repeat_interleave(w, 0), tail_lens=tail_lens,
             rows_per_seq=w)
 
-    def _drafts(self, bs: int, n: int, metas: dict, masked: bool = False) -> torch.Tensor:
-        return self._draft(bs, metas, masked)
+    def _drafts(self, bs: int, n: int, metas: dict) -> torch.Tensor:
+        return self._draft(bs, metas)
 
     def _target_logits(self, bs: int, n: int, drafts: torch.Tensor, metas: dict) -> torch.Tensor:
         return self._verify_logits(bs, metas["verify"])
@@ -196,12 +196,30 @@ class ChainGraphs(SpecGraphs):
                                              self.last_packed, self.last_root)
 
     # -- rows under a grammar (`_constrained_step`) ---------------------------------------------------
+    def _masked_parts(self, bs: int, n: int, params: list[SamplingParams] | None = None):
+        """One part per draft level, each within its rows' grammars (the masks after the drafts so far), then
+        the verification."""
+        step = {}
+
+        def level(i: int):
+            def run() -> torch.Tensor:
+                if i == 0:
+                    step["metas"] = self._metas(bs, n)
+                step["state"] = self._draft_level(bs, step["metas"], i, step.get("state"), masked=True)
+                return self.verify_ids[:bs, 1: i + 2]
+            return run
+
+        def verify() -> torch.Tensor:
+            return self._verify_masked(bs, n, self.verify_ids[:bs, 1:], step["metas"], params)
+        return [level(i) for i in range(self.k)], verify
+
     def _drafts_on_host(self, drafts: torch.Tensor, b: int) -> list[list[int]]:
         return drafts[:b].tolist()
 
     def _row_masks(self, seq, drafts: list[int], out: torch.Tensor) -> None:
-        d = seq.num_draft_tokens
-        seq.grammar.chain_masks(drafts[:d], out[: d + 1])  # rows past the scheduled drafts never decide
+        """Rows 0..len(drafts) (the drafts so far); rows past the scheduled drafts never decide."""
+        drafts = drafts[: seq.num_draft_tokens]
+        seq.grammar.chain_masks(drafts, out[: len(drafts) + 1])
 
     def _accept(self, bs: int, drafts: torch.Tensor, logits: torch.Tensor, forced: torch.Tensor | None,
                 params: list[SamplingParams] | None):
@@ -213,25 +231,34 @@ class ChainGraphs(SpecGraphs):
         is_greedy = tensor_on([p.greedy for p in params], self.device)
         return tuple(torch.where(is_greedy.view(-1, *[1] * (g.dim() - 1)), g, s) for g, s in zip(greedy, sampled))
 
-    def _draft(self, bs: int, metas: dict, masked: bool = False) -> torch.Tensor:
+    def _draft(self, bs: int, metas: dict) -> torch.Tensor:
         """The head catches up, then drafts k tokens greedily: [bs, k] target ids, a view of `verify_ids` (which
-        the next step overwrites). `masked`: the first draft within each row's grammar (`_grammar_first_level`)."""
+        the next step overwrites)."""
+        state = None
+        for i in range(self.k):
+            state = self._draft_level(bs, metas, i, state)
+        return self.verify_ids[:bs, 1:]
+
+    def _draft_level(self, bs: int, metas: dict, i: int, state: torch.Tensor | None, masked: bool = False
+                     ) -> torch.Tensor:
+        """Draft i of each chain, straight into the verify's ids (in target ids, after the root `_metas` put
+        there): the head catches up first (i = 0; of the catch-up rows only each sequence's last, its newest
+        token, feeds the drafts), else it takes draft i - 1 with its state. `masked`: within each row's grammar
+        after the drafts before (`_grammar_level`). Returns the head's state, for draft i + 1."""
         head, drafter = self.head, self.drafter
         embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
-        catch_slots = self.catch_slots[:bs].view(-1)
-        # Of the catch-up rows, only each sequence's last (its newest token) feeds the drafts.
-        state = head(embedding, drafter.taps[catch_slots], self.catch_pos[:bs].view(-1), metas["catch"],
-                     drafter.kv_cache, self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
-        # Each draft goes straight into the verify's ids (in target ids), after the root `_metas` put there.
-        drafts = self.verify_ids[:bs, 1:]
+        if i == 0:
+            catch_slots = self.catch_slots[:bs].view(-1)
+            state = head(embedding, drafter.taps[catch_slots], self.catch_pos[:bs].view(-1), metas["catch"],
+                         drafter.kv_cache, self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
+        else:
+            state = head(embedding, state, self.extend_pos[i - 1, :bs], metas["extend"][i - 1], drafter.kv_cache,
+                         self.verify_ids[:bs, i])
         logits = head.compute_logits(state)
         if masked:
-            logits = self._grammar_first_level(bs, logits)
-        token = argmax(logits, head.d2t, out=drafts[:, 0])
-        for i in range(self.k - 1):
-            state = head(embedding, state, self.extend_pos[i, :bs], metas["extend"][i], drafter.kv_cache, token)
-            token = argmax(head.compute_logits(state), head.d2t, out=drafts[:, i + 1])
-        return drafts
+            logits = self._grammar_level(bs, logits, i)
+        argmax(logits, head.d2t, out=self.verify_ids[:bs, i + 1])
+        return state
 
     def _verify_logits(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         """The target's logits after root + each draft [bs, k + 1, V] (the ids `_metas` and `_draft` left in

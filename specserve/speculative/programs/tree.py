@@ -213,8 +213,8 @@ class TreeGraphs(SpecGraphs):
                                                    tail_slots=tails, tail_lens=tail_lens, rows_per_seq=per_seq,
                                                    closed_tails=closed)
 
-    def _drafts(self, bs: int, n: int, metas: dict, masked: bool = False) -> dict:
-        return self._select(bs, *self._search(bs, n, metas, masked))
+    def _drafts(self, bs: int, n: int, metas: dict) -> dict:
+        return self._select(bs, *self._search(bs, n, metas))
 
     def _target_logits(self, bs: int, n: int, nodes: dict, metas: dict) -> torch.Tensor:
         return self._verify_logits(bs, n, nodes, metas)
@@ -251,6 +251,20 @@ class TreeGraphs(SpecGraphs):
         return tokens, accepted
 
     # -- rows under a grammar (`_constrained_step`) ---------------------------------------------------
+    def _masked_parts(self, bs: int, n: int, params=None):
+        """The search, its first level within each row's grammar after the root (deeper levels draft unmasked:
+        their verify rows are masked), then the verification."""
+        step = {}
+
+        def draft() -> dict:
+            step["metas"] = self._metas(bs, n)
+            step["nodes"] = self._select(bs, *self._search(bs, n, step["metas"], masked=True))
+            return step["nodes"]
+
+        def verify() -> torch.Tensor:
+            return self._verify_masked(bs, n, step["nodes"], step["metas"], params)
+        return [draft], verify
+
     def _drafts_on_host(self, nodes: dict, b: int) -> list[tuple[list[int], list[int]]]:
         return list(zip(nodes["tokens"][:b].tolist(), nodes["parent"][:b].tolist()))
 
@@ -259,7 +273,7 @@ class TreeGraphs(SpecGraphs):
 
     def _search(self, bs: int, n: int, rows: dict, masked: bool = False):
         """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level; `rows`
-        as `_metas` makes them. `masked`: the first level within each row's grammar (`_grammar_first_level`)."""
+        as `_metas` makes them. `masked`: the first level within each row's grammar (`_grammar_level`)."""
         head, drafter, k = self.head, self.drafter, self.topk
         embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
         catch_slots = self.catch_slots[:bs].view(-1)
@@ -269,7 +283,7 @@ class TreeGraphs(SpecGraphs):
                      self.catch_ids[:bs].view(-1), rows=self.last_row[:bs])
         logits = head.compute_logits(state)
         if masked:
-            logits = self._grammar_first_level(bs, logits)
+            logits = self._grammar_level(bs, logits)
         values, indices = log_softmax_topk(logits, k)
         if self.fused:
             return self._search_fused(bs, n, rows, state, values, indices)
