@@ -95,6 +95,10 @@ def router_command(server: ServerConfig, scale: ScaleOutConfig, worker_urls: lis
             # workers: a probe a minute), and keep the load it routes by fresh.
             "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
             "--load-monitor-interval", "2",
+            # Retries of a request whose replica died outlast those probes (0.2 + 0.4 + ... + 3.2 s): smg's
+            # defaults spend theirs within a second, where cache-aware routing may send each one back to the
+            # dead replica, the one holding the prompt's prefix.
+            "--retry-max-retries", "6", "--retry-initial-backoff-ms", "200", "--retry-backoff-multiplier", "2",
             # The replicas start together, so none is a newcomer whose cache needs a share of the traffic
             # (smg's warm-up slice): a prefix goes where it is cached.
             "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0", "--log-level", "warn"]
