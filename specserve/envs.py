@@ -81,8 +81,8 @@ class Switches:
               "speculation, where steps run eagerly (a CPU: with CUDA graphs a span would cost more than it saves). "
               "Off: one token a step without speculation; the drafter drafts it through its masks.")
     program_masks: bool = _switch(
-        True, "Rows under a grammar run in the chain and tree step programs, in two halves (drafts, masks on "
-              "the host, masked verification). Off: they take the general path, which masks every draft level.")
+        True, "Rows under a grammar run in the chain and tree step programs, in parts (draft levels, each "
+              "followed by masks built on the host, then masked verification). Off: they take the general path.")
     # Tests only.
     triton_interpreter_tests: bool = _switch(
         False, "Run the Triton kernels' tests in Triton's CPU interpreter (tests/kernels/test_triton_interpreter.py) "

@@ -95,8 +95,8 @@ def test_every_output_is_valid_and_nothing_leaks(runs, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["chain", "tree"])
-def test_on_a_gpu_the_two_halves_replay_graphs_as_they_run_eagerly(tiny_chat_model, tiny_chat_head, config):
-    """The halves' graphs, captured at each shape's first constrained step, give the eager halves' tokens."""
+def test_on_a_gpu_the_parts_replay_graphs_as_they_run_eagerly(tiny_chat_model, tiny_chat_head, config):
+    """The parts' graphs, captured at each shape's first constrained step, give the eager parts' tokens."""
     from specserve.llm import LLM
 
     spec = SpecConfig("EAGLE3", str(tiny_chat_head), *SHAPES[config])
