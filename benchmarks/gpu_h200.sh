@@ -18,7 +18,8 @@
 #   moe         the MoE shapes (Qwen3-30B-A3B, Moonlight-16B-A3B; random bf16 weights route uniformly): decode at
 #               batch 1-32, and on the Qwen shape plain against a chain of 3 at simulated tau 3 (spec_off_tax.py)
 #   policy3     issue 47's shape-choice set at simulated tau 3 / 4 (policy3a, policy3b: its halves); policy1: at tau 1
-#   structured  (only when named) JSON-schema constraints on the 8B shape at batch 1 and 64 (TOKENIZER_DIR)
+#   structured  (only when named) JSON-schema constraints on the 8B shape at batch 1 and 64 (TOKENIZER_DIR);
+#               structured_general: batch 1 with constrained rows on the general path, for the programs' worth
 #   bursty_a, bursty_b  (only when named) issue 47's bursty trace through the server, 8B shape, random head at
 #               simulated tau 3 (TOKENIZER_DIR): plain and static chains 1/3/5; SGLang's tiers and the adaptive plans
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
@@ -26,7 +27,7 @@
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
 # Needs the test extras importable (fastapi, uvicorn, openai, jsonschema, xgrammar, gguf) for tests2 and structured.
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests | tests1 | tests2] [decode] [sweep] [specsweep | chainsweep | treesweep]
-#        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [structured] [tp1]
+#        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [structured] [structured_general] [tp1]
 #        [bursty_a] [bursty_b]
 #        [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
 #        [decisions]
@@ -135,12 +136,21 @@ fi
 # tree (random head), overlap off and on. A shipped config has no tokenizer: TOKENIZER_DIR names a copy
 # of SmolLM2's (tokenizer.json, tokenizer_config.json, chat_template.jinja), whose ids all lie inside the 8B
 # vocabulary. Random weights write random JSON until the grammar ends it or max_tokens cuts it.
-if [[ $modes == *" structured "* ]]; then  # only when named: it needs TOKENIZER_DIR
-  for bs in 1 64; do
+# structured_general: the same at batch 1 with constrained rows on the general path (SPECSERVE_PROGRAM_MASKS=0).
+structured() {  # TAG BATCH_SIZES...
+  local tag=$1; shift
+  for bs in "$@"; do
     python3 -m specserve.cli bench structured --device cuda --model-path llama-3.1-8b --load-format dummy \
       --dtype bfloat16 --context-length 2048 --tokenizer-path "${TOKENIZER_DIR:?a tokenizer directory}" \
-      --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 2 --out "$OUT/structured_8b_bs${bs}_h200.json"
+      --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 2 \
+      --out "$OUT/structured${tag}_8b_bs${bs}_h200.json"
   done
+}
+if [[ $modes == *" structured "* ]]; then  # only when named: it needs TOKENIZER_DIR
+  structured "" 1 64
+fi
+if [[ $modes == *" structured_general "* ]]; then
+  SPECSERVE_PROGRAM_MASKS=0 structured _general 1
 fi
 # Issue 47's bursty trace: Poisson arrivals switching between 2 and 40 requests a second every 15 s, for 60 s,
 # through a fresh server per setting (benchmarks/bursty_trace.py). Too long for one call: two halves.
