@@ -150,7 +150,7 @@ if [[ $modes == *" structured "* ]]; then  # only when named: it needs TOKENIZER
   structured "" 1 64
 fi
 if [[ $modes == *" structured_general "* ]]; then
-  SPECSERVE_PROGRAM_MASKS=0 structured _general 1
+  (export SPECSERVE_PROGRAM_MASKS=0; structured _general 1)
 fi
 # Issue 47's bursty trace: Poisson arrivals switching between 2 and 40 requests a second every 15 s, for 60 s,
 # through a fresh server per setting (benchmarks/bursty_trace.py). Too long for one call: two halves.
