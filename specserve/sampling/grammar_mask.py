@@ -33,8 +33,18 @@ def allowed_tokens(masks: torch.Tensor, vocab_size: int, device: torch.device | 
         # From pinned memory the copy is queued behind the step's forward without holding the host there,
         # which a copy from pageable memory does (masks of a plain step are applied behind its forward).
         as_bytes = as_bytes.pin_memory().to(device, non_blocking=True)
-    as_bytes = as_bytes.to(device)
+    else:
+        as_bytes = as_bytes.to(device)
     return table[as_bytes.int()].view(masks.shape[0], -1)[:, :vocab_size]
+
+
+def allowed_drafts(masks: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """[N, words] int32 bitmasks over the target's vocabulary -> [N, draft vocabulary] bool, read through each
+    draft id's target id. A row that allows none of the drafter's tokens allows them all: its drafts are wasted
+    either way, and a row with nothing allowed has no log-softmax."""
+    allowed = allowed_tokens(masks, 32 * masks.shape[1], draft_to_target.device)[:, draft_to_target]
+    allowed |= ~allowed.any(dim=1, keepdim=True)
+    return allowed
 
 
 def mask_logits(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 
 from specserve.core import ScheduledSeq, StepBatch
 from specserve.layers.attention import AttentionMetadata
-from specserve.sampling.grammar_mask import allowed_tokens
+from specserve.sampling.grammar_mask import allowed_drafts
 from specserve.speculative.drafters.base import Drafter
 from specserve.speculative.tree import DraftTree, best_first_tree
 from specserve.structured.step_masks import MaskJob, MaskWorker
@@ -266,16 +266,13 @@ class TreeProposer:
 
     def _mask_drafts(self, logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
         """The draft rows `rows` (of constrained searches) with the tokens their grammar forbids at -inf (read in
-        the draft vocabulary through the drafter's id map). A row whose grammar allows no draft-vocabulary token
-        stays as it is: its drafts are wasted either way, and an all -inf row has no log-softmax."""
+        the draft vocabulary through the drafter's id map, `allowed_drafts`)."""
         if not rows:
             return logits
         if self._draft_to_target is None or len(self._draft_to_target) != logits.shape[-1]:
             ids = torch.arange(logits.shape[-1], device=logits.device)
             self._draft_to_target = self.drafter.to_target_ids(ids)
-        target_allowed = allowed_tokens(torch.cat(masks), int(self._draft_to_target.max()) + 1, logits.device)
-        allowed = target_allowed[:, self._draft_to_target]
-        allowed |= ~allowed.any(dim=1, keepdim=True)
+        allowed = allowed_drafts(torch.cat(masks), self._draft_to_target)
         index = torch.tensor(rows, device=logits.device)
         logits = logits.clone()
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -134,7 +134,7 @@ def test_a_draft_level_keeps_to_the_grammar_of_its_verify_row(row):
     allowed[rows + row, [2, 3]] = True  # none of the head's tokens
     allowed[2 * rows + row, :] = True  # unconstrained
     words = (allowed.view(bs * rows, -1, 32).long() << torch.arange(32)).sum(-1)
-    program = types.SimpleNamespace(grammar_masks=words.to(torch.int32), mask_rows=rows, _target_ids=91,
+    program = types.SimpleNamespace(grammar_masks=words.to(torch.int32), mask_rows=rows,
                                     _draft_to_target=draft_to_target)
     logits = torch.randn(bs, len(draft_to_target))
     out = SpecGraphs._grammar_level(program, bs, logits, row)

@@ -1,11 +1,10 @@
 """A greedy chain step's acceptance and packing on the GPU, in one kernel.
 
-After the verify's argmax, `accept_chain` and `pack_tokens` (speculative/programs/chain.py) find each row's accepted drafts,
-put the target's own token after them and pack tokens and count for the read-back; the program then keeps a copy
-of the packed rows and of each root for a step that follows it. In PyTorch that is ~8 kernels of a few elements
-each, every one a full launch latency inside the chain step's graph. Here one program per row does all of it,
-launched early behind the argmax (PDL). The PyTorch form stays the CPU path and the reference a test holds this
-to.
+After the verify's argmax, `accept_chain` and `pack_tokens` (speculative/programs/) find each row's accepted drafts,
+put the target's own token after them and pack tokens and count for the read-back; the program then keeps a copy of
+the packed rows and of each root for a step that follows it. In PyTorch that is ~8 kernels of a few elements each,
+every one a full launch latency inside the chain step's graph. Here one program per row does all of it, launched
+early behind the argmax (PDL). The PyTorch form stays the CPU path and the reference a test holds this to.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from specserve import envs
 from specserve.core import SamplingParams, StepBatch
 from specserve.graph_shapes import batch_buckets, context_buckets
 from specserve.layers.attention import AttentionMetadata
-from specserve.sampling.grammar_mask import allowed_tokens
+from specserve.sampling.grammar_mask import allowed_drafts, allowed_tokens
 from specserve.speculative.drafters.base import eagle3_catch_up
 from specserve.speculative.simulate import draw_num_accepted
 
@@ -82,7 +82,6 @@ class SpecGraphs(abc.ABC):
         self._host_level: torch.Tensor | None = None
         self._chain_scratch: torch.Tensor | None = None
         self._draft_to_target: torch.Tensor | None = None  # every draft id's target id
-        self._target_ids = 0  # the highest target id the head drafts, plus one
         self.masked_graphs: dict[tuple[int, int], tuple] = {}
         self.num_masked_runs = 0  # steps that held rows under a grammar
 
@@ -408,20 +407,15 @@ class SpecGraphs(abc.ABC):
         self._host_masks = torch.empty(shape, dtype=torch.int32, pin_memory=pinned)
         self._host_level = torch.empty(self.max_bs, words, dtype=torch.int32, pin_memory=pinned)
         self._chain_scratch = torch.empty(self.mask_rows, words, dtype=torch.int32)
-        draft_ids = torch.arange(len(self.head.d2t), device=self.device)
-        self._draft_to_target = self.head.to_target_ids(draft_ids)
-        self._target_ids = int(self._draft_to_target.max()) + 1
+        self._draft_to_target = self.head.to_target_ids(torch.arange(len(self.head.d2t), device=self.device))
 
     def _grammar_level(self, bs: int, logits: torch.Tensor, row: int = 0) -> torch.Tensor:
         """The head's logits [bs, draft vocabulary] for one draft level, with the tokens each sequence's grammar
         forbids there pushed far down: its verify row `row`'s mask (the grammar after the root and the drafts
         before the level), read through the draft-to-target map. A large finite penalty rather than -inf keeps
-        a tree's cumulative scores finite where a row allows fewer than top-k tokens; a row that allows none of
-        the head's tokens is left as it was."""
+        a tree's cumulative scores finite where a row allows fewer than top-k tokens."""
         masks = self.grammar_masks[row: bs * self.mask_rows: self.mask_rows]
-        allowed = allowed_tokens(masks, self._target_ids)[:, self._draft_to_target]
-        allowed |= ~allowed.any(dim=1, keepdim=True)
-        return logits.masked_fill(~allowed, FORBIDDEN_DRAFT)
+        return logits.masked_fill(~allowed_drafts(masks, self._draft_to_target), FORBIDDEN_DRAFT)
 
     @abc.abstractmethod
     def _drafts_on_host(self, drafts, b: int) -> list:

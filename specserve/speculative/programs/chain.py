@@ -23,7 +23,8 @@ general path, so that its output does not depend on what shares its batches). Re
 (`_constrained_step`): step 2 runs one level at a time, each draft read back so that the host fills the next
 level's mask, and step 3's logits are masked before acceptance; on a GPU each part replays a graph of its
 own. Steps with sampled rows run the program eagerly, not from a graph: their filtering branches on the
-requests' settings on the host, which costs no sync. On a CPU the same program runs eagerly with the reference attention, which is how CI checks it.
+requests' settings on the host, which costs no sync. On a CPU the same program runs eagerly with the
+reference attention, which is how CI checks it.
 """
 from __future__ import annotations
 
