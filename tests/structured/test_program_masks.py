@@ -67,18 +67,19 @@ def test_greedy_in_the_program_equals_greedy_without_speculation(runs, config):
     assert sum(o.num_spec_steps for o in spec[:len(INDICES)]) > 0
 
 
-def test_with_program_masks_off_the_general_path_takes_them_alike(runs, tiny_chat_model, tiny_chat_head):
+@pytest.mark.parametrize("config", ["chain", "tree"])
+def test_with_program_masks_off_the_general_path_takes_them_alike(runs, tiny_chat_model, tiny_chat_head, config):
     from specserve.llm import LLM
 
-    with envs.override(forced_drafts=False, program_masks=False):
+    with envs.override(forced_drafts=False, program_masks=False, tree_program_on_cpu=True):
         llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192,
-                  spec=SpecConfig("EAGLE3", str(tiny_chat_head), *SHAPES["chain"]))
+                  spec=SpecConfig("EAGLE3", str(tiny_chat_head), *SHAPES[config]))
         greedy = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
     assert llm.engine.runner.program.num_masked_runs == 0
     assert [o.token_ids for o in greedy] == [o.token_ids for o in runs["off"][0]]
-    # Each draft level keeps to the grammar in the chain program as in the general search: the same drafts,
-    # so the same steps per request.
-    assert [o.num_spec_steps for o in greedy] == [o.num_spec_steps for o in runs["chain"][0]]
+    # Every draft level keeps to the grammar in the programs as in the general search: the same drafts, so the
+    # same steps per request.
+    assert [o.num_spec_steps for o in greedy] == [o.num_spec_steps for o in runs[config][0]]
     llm.close()
 
 

@@ -27,12 +27,15 @@ checks it.
 """
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import numpy as np
 import torch
 
 from specserve import envs
 from specserve.speculative.accept import accept_tree_sampled
 from specserve.speculative.programs.base import (
+    FORBIDDEN_DRAFT,
     ProgramSetup,
     SpecGraphs,
     pack_tokens,
@@ -41,6 +44,7 @@ from specserve.speculative.programs.base import (
     table_slots,
 )
 from specserve.layers.attention import AttentionMetadata
+from specserve.sampling.grammar_mask import allowed_drafts
 from specserve.sampling.sampler import argmax, filtered_probs, race
 from specserve.speculative.search import search_depth
 from specserve.transfer import tensor_on
@@ -68,6 +72,25 @@ def _fused_search_enabled(num_candidates: int) -> bool:
     from specserve.kernels.triton import tree as triton_tree  # Triton: GPU machines only
 
     return envs.get().fused_search and num_candidates <= triton_tree.MAX_CANDIDATES
+
+
+def _drain(levels: Generator):
+    """Runs a search (`TreeGraphs._search`) through every level; returns its candidates."""
+    while True:
+        try:
+            next(levels)
+        except StopIteration as done:
+            return done.value
+
+
+def fed_paths(tokens: torch.Tensor, parents: torch.Tensor, fed: torch.Tensor, level: int) -> torch.Tensor:
+    """The target ids on the path from the root to each fed candidate: candidates' tokens and parents [bs, C]
+    (parent -1: the root), fed candidates [bs, k] at depth `level` -> [bs, k, level], the root's child first."""
+    steps, node = [], fed
+    for _ in range(level):
+        steps.append(tokens.gather(1, node))
+        node = parents.gather(1, node).clamp(min=0)
+    return torch.stack(steps[::-1], dim=-1)
 
 
 def _at(values: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
@@ -214,7 +237,7 @@ class TreeGraphs(SpecGraphs):
                                                    closed_tails=closed)
 
     def _drafts(self, bs: int, n: int, metas: dict) -> dict:
-        return self._select(bs, *self._search(bs, n, metas))
+        return self._select(bs, *_drain(self._search(bs, n, metas)))
 
     def _target_logits(self, bs: int, n: int, nodes: dict, metas: dict) -> torch.Tensor:
         return self._verify_logits(bs, n, nodes, metas)
@@ -252,28 +275,62 @@ class TreeGraphs(SpecGraphs):
 
     # -- rows under a grammar (`_constrained_step`) ---------------------------------------------------
     def _masked_parts(self, bs: int, n: int, params=None):
-        """The search, its first level within each row's grammar after the root (deeper levels draft unmasked:
-        their verify rows are masked), then the verification."""
+        """One part per search level, each within its rows' grammars: the first after the root, each further
+        one after the path to each fed node (the host fills those masks between parts, `_fill_level`); the
+        last part also selects the tree. Then the verification."""
         step = {}
 
-        def draft() -> dict:
-            step["metas"] = self._metas(bs, n)
-            step["nodes"] = self._select(bs, *self._search(bs, n, step["metas"], masked=True))
-            return step["nodes"]
+        def level(i: int):
+            def run():
+                if i == 0:
+                    step["metas"] = self._metas(bs, n)
+                    step["levels"] = self._search(bs, n, step["metas"], masked=True)
+                try:
+                    return next(step["levels"])  # the paths of the nodes the next level feeds
+                except StopIteration as done:
+                    step["nodes"] = self._select(bs, *done.value)
+                    return step["nodes"]
+            return run
 
         def verify() -> torch.Tensor:
             return self._verify_masked(bs, n, step["nodes"], step["metas"], params)
-        return [draft], verify
+        return [level(i) for i in range(self.depth)], verify
 
-    def _drafts_on_host(self, nodes: dict, b: int) -> list[tuple[list[int], list[int]]]:
-        return list(zip(nodes["tokens"][:b].tolist(), nodes["parent"][:b].tolist()))
+    def _allocate_masks(self, words: int) -> None:
+        """Besides the verify rows' masks, one per fed row of a search level (`_fill_level`)."""
+        super()._allocate_masks(words)
+        rows = self.max_bs * self.topk
+        self.fed_masks = torch.full((rows, words), -1, dtype=torch.int32, device=self.device)
+        self._host_fed = torch.empty(rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    def _fill_level(self, seqs, bs: int, level: int, drafts: list) -> None:
+        """Level 0: each root's verify row. A further level: per fed row, what the grammar allows after the
+        path to its node (`drafts`: each sequence's fed paths), everything for a sequence without one."""
+        if level == 0:
+            return super()._fill_level(seqs, bs, level, drafts)
+        k = self.topk
+        host = self._host_fed[: bs * k].fill_(-1)
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                host[i * k: (i + 1) * k] = seq.grammar.path_masks(drafts[i])
+        self.fed_masks[: bs * k].copy_(host, non_blocking=True)
+
+    def _drafts_on_host(self, drafts, b: int) -> list:
+        """A level's fed paths ([b][k][level] target ids), or the selected trees' (tokens, parents)."""
+        if isinstance(drafts, torch.Tensor):
+            return drafts[:b].tolist()
+        return list(zip(drafts["tokens"][:b].tolist(), drafts["parent"][:b].tolist()))
 
     def _row_masks(self, seq, tree: tuple[list[int], list[int]], out: torch.Tensor) -> None:
         out.copy_(seq.grammar.tree_masks(*tree))  # nodes past the scheduled drafts never decide
 
-    def _search(self, bs: int, n: int, rows: dict, masked: bool = False):
-        """Candidates [bs, C] (target token, parent candidate or -1, cumulative log-prob), level by level; `rows`
-        as `_metas` makes them. `masked`: the first level within each row's grammar (`_grammar_level`)."""
+    def _search(self, bs: int, n: int, rows: dict, masked: bool = False) -> Generator:
+        """The search, level by level, as a generator: before each level past the first it yields what that
+        level feeds, and it returns the candidates [bs, C] (target token, parent candidate or -1, cumulative
+        log-prob) (`_drain` runs it through). `rows` as `_metas` makes them. `masked`: every level within each
+        row's grammar, the first after the root (`_grammar_level`), each further one after the path to each
+        fed node (`fed_masks`, which the host fills from the paths yielded: [bs, k, level] target ids);
+        unmasked, it yields None."""
         head, drafter, k = self.head, self.drafter, self.topk
         embedding = self.target.embed_tokens.weight  # the head looks its tokens up as it norms them
         catch_slots = self.catch_slots[:bs].view(-1)
@@ -286,7 +343,7 @@ class TreeGraphs(SpecGraphs):
             logits = self._grammar_level(bs, logits)
         values, indices = log_softmax_topk(logits, k)
         if self.fused:
-            return self._search_fused(bs, n, rows, state, values, indices)
+            return (yield from self._search_fused(bs, n, rows, state, values, indices, masked))
         tokens, scores = [head.to_target_ids(indices)], [values]
         parents = [torch.full((bs, k), -1, dtype=torch.long, device=self.device)]
         frontier = torch.arange(k, device=self.device).expand(bs, k)  # candidates fed next
@@ -294,10 +351,11 @@ class TreeGraphs(SpecGraphs):
         fed_states = state[:, None, :].expand(bs, k, state.shape[-1])
         path = torch.empty(bs, k, 0, dtype=torch.long, device=self.device)  # head scratch slots of fed nodes' paths
         for level in range(1, self.depth):
+            yield fed_paths(torch.cat(tokens, 1), torch.cat(parents, 1), frontier, level) if masked else None
             own = self.head_scratch[:bs, (level - 1) * k: level * k]
             path = torch.cat([path, own[..., None]], dim=-1)
             out, values, indices = self._level_pass(bs, n, level, rows, fed_states.reshape(bs * k, -1),
-                                                    fed_tokens.reshape(-1), path.reshape(bs * k, level))
+                                                    fed_tokens.reshape(-1), path.reshape(bs * k, level), masked)
             child_scores = (fed_scores[..., None] + values.view(bs, k, k)).view(bs, k * k)
             child_tokens = head.to_target_ids(indices).view(bs, k * k)
             tokens.append(child_tokens)
@@ -315,20 +373,24 @@ class TreeGraphs(SpecGraphs):
         return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
 
     def _level_pass(self, bs: int, n: int, level: int, rows: dict, states: torch.Tensor, tokens: torch.Tensor,
-                    path: torch.Tensor):
+                    path: torch.Tensor, masked: bool = False):
         """The head over one level's fed rows (states [bs * k, H], tokens [bs * k], paths [bs * k, level] of head
         scratch slots, the last their own) -> (its output [bs * k, H], each row's k best children: log-probs and
-        draft ids [bs * k, k])."""
+        draft ids [bs * k, k]). `masked`: the children within each fed row's mask (`fed_masks`)."""
         head, k = self.head, self.topk
         own = self.head_scratch[:bs, (level - 1) * k: level * k]
         meta = self._rows_meta(n, own.reshape(-1), rows["fed_lens"], rows["fed_tables"], head.config.model.num_kv_heads,
                                path, self.level_lens[level, : bs * k], per_seq=k)
         out = head(self.target.embed_tokens.weight, states, rows["fed_pos"][level - 1], meta, self.drafter.kv_cache,
                    tokens)
-        return (out, *log_softmax_topk(head.compute_logits(out), k))
+        logits = head.compute_logits(out)
+        if masked:
+            logits = logits.masked_fill(~allowed_drafts(self.fed_masks[: bs * k], self._draft_to_target),
+                                        FORBIDDEN_DRAFT)
+        return (out, *log_softmax_topk(logits, k))
 
     def _search_fused(self, bs: int, n: int, rows: dict, state: torch.Tensor, values: torch.Tensor,
-                      indices: torch.Tensor):
+                      indices: torch.Tensor, masked: bool = False) -> Generator:
         """`_search` after the head's catch-up (its state [bs, H] and top-k: log-probs and draft ids [bs, k]), with
         the first level's bookkeeping in one kernel (triton_tree.root_children) and each further level's in one
         (triton_tree.expand_level); the same candidates, in static buffers."""
@@ -343,8 +405,9 @@ class TreeGraphs(SpecGraphs):
                "path": None if self.first_path is None else self.first_path[: bs * k]}
         triton_tree.root_children(values, indices, d2t, state, candidates, fed)
         for level in range(1, self.depth):
+            yield fed_paths(candidates["tokens"], candidates["parents"], fed["frontier"], level) if masked else None
             out, values, indices = self._level_pass(bs, n, level, rows, fed["states"], fed["tokens"].reshape(-1),
-                                                    fed["path"])
+                                                    fed["path"], masked)
             last = level == self.depth - 1
             sets = self.fed_sets[level % 2]
             nxt = {name: sets[name][:bs] for name in ("tokens", "scores", "frontier")}
