@@ -41,7 +41,7 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.grammar_mask import allowed_drafts
 from specserve.speculative.drafters.base import Drafter
 from specserve.speculative.tree import DraftTree, best_first_tree
-from specserve.structured.step_masks import MaskJob, MaskWorker
+from specserve.structured.step_masks import MaskJob, MaskWorker, run_jobs
 
 
 class _LevelMasks:
@@ -54,7 +54,7 @@ class _LevelMasks:
         self._job = MaskJob(self._build, worker)
 
     def _build(self) -> None:
-        self._masks = [job() for job in self._jobs]
+        self._masks = run_jobs(self._jobs)
 
     def result(self) -> tuple[list[int], list[torch.Tensor]]:
         self._job.wait()

@@ -102,21 +102,6 @@ class GrammarState:
             self.rollback(accepted)
         return _unconstrain_empty(masks)
 
-    def chain_masks(self, drafts: Sequence[int], out: torch.Tensor) -> None:
-        """Fills `out` [len(drafts) + 1, words] for a chain's verify rows: row j is what may follow the emitted
-        tokens and the first j drafts, as `path_masks` gives them, in one pass along the chain. Rows past a
-        draft the grammar forbids (or past its end) are left as they are: that draft is never accepted."""
-        accepted = 0
-        for row in range(len(drafts) + 1):
-            if self.matcher.is_terminated():
-                break
-            self.matcher.fill_next_token_bitmask(out, row)
-            if row == len(drafts) or not self.matcher.accept_token(drafts[row]):
-                break
-            accepted += 1
-        self.rollback(accepted)
-        _unconstrain_empty(out)
-
     def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """[N, words] for a draft tree (tokens[0] the root, already emitted; parents[i] < i): row i is what may
         follow node i, the state after the drafts on the path to it. Rows of nodes the grammar forbids (and of

@@ -119,21 +119,31 @@ def test_constraints_check_their_fields():
     assert params.needs_host_logits and hash(params) == hash(SamplingParams(constraint=Constraint("json_object")))
 
 
+def test_masks_filled_on_threads_equal_those_filled_in_turn(grammars, monkeypatch):
+    """`run_jobs` hands a large batch's mask fills (one request's grammar per job) to host threads: every
+    mask is the one filled in turn, in order, and each state is left as it was."""
+    import threading
 
-@pytest.mark.parametrize("index", [3, 16, 21])
-def test_chain_masks_equal_path_masks_along_the_chain(grammars, index):
-    """The chain program's one pass along its drafts gives each verify row the mask of the path to it, and
-    leaves the rows past a forbidden draft (or the grammar's end) unconstrained."""
-    rng = random.Random(index)
-    state = grammars.state(schema(index))
-    random_walk(state, rng, 4)
-    before = state.next_mask()
-    forbidden = next(t for t in range(VOCAB) if t not in set(allowed(before)))
-    walk = random_walk(state, rng, 3)
-    state.rollback(len(walk))
-    for drafts in ([], walk, walk[:1] + [forbidden] + walk[1:], [forbidden] + walk):
-        out = torch.full((len(drafts) + 1, state.num_words), -1, dtype=torch.int32)
-        state.chain_masks(drafts, out)
-        assert torch.equal(out, state.path_masks([drafts[:j] for j in range(len(drafts) + 1)]))
-        assert torch.equal(out[0:1], before)
-        assert torch.equal(state.next_mask(), before), "the state is left as it was"
+    from specserve.structured import step_masks
+
+    monkeypatch.setattr(step_masks, "_FILL_THREADS", 3)
+    monkeypatch.setattr(step_masks, "_fill_pool", None)
+    rng = random.Random(0)
+    states, paths = [], []
+    for i in range(step_masks.PARALLEL_MIN_JOBS + 5):
+        state = grammars.state(schema(i % len(SCHEMAS)))
+        random_walk(state, rng, 3)
+        walk = [] if state.terminated else random_walk(state, rng, 2)
+        state.rollback(len(walk))
+        states.append(state)
+        paths.append([walk[:j] for j in range(len(walk) + 1)])
+    threads = set()
+
+    def fill(state, state_paths):
+        threads.add(threading.get_ident())
+        return state.path_masks(state_paths)
+    expected = [state.path_masks(p) for state, p in zip(states, paths)]
+    filled = step_masks.run_jobs([lambda s=s, p=p: fill(s, p) for s, p in zip(states, paths)])
+    assert all(torch.equal(a, b) for a, b in zip(filled, expected, strict=True))
+    assert threads and threading.get_ident() not in threads
+    assert all(torch.equal(s.path_masks([[]]), e[:1]) for s, e in zip(states, expected))

@@ -26,6 +26,7 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.grammar_mask import allowed_drafts, allowed_tokens
 from specserve.speculative.drafters.base import eagle3_catch_up
 from specserve.speculative.simulate import draw_num_accepted
+from specserve.structured.step_masks import run_jobs
 
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,7 @@ class SpecGraphs(abc.ABC):
         # Grammar masks of the verify rows (`_constrained_step`), allocated at the first such step, and per
         # shape its parts as graph replays: (the draft parts', the verification's).
         self.grammar_masks: torch.Tensor | None = None
-        self._host_masks: torch.Tensor | None = None
         self._host_level: torch.Tensor | None = None
-        self._chain_scratch: torch.Tensor | None = None
         self._draft_to_target: torch.Tensor | None = None  # every draft id's target id
         self.masked_graphs: dict[tuple[int, int], tuple] = {}
         self.num_masked_runs = 0  # steps that held rows under a grammar
@@ -370,9 +369,9 @@ class SpecGraphs(abc.ABC):
 
     def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
         """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a
-        read-back of the drafts so far and the host filling each constrained row's masks for them
-        (`_row_masks`), so that the next draft level keeps to the grammar; then verification with every verify
-        row's mask applied, so that a draft the grammar forbids is never accepted and the bonus token is the
+        read-back of the drafts so far and the host filling each constrained row's masks for them (the next
+        draft level's, `_fill_level`; after the last, every verify row's, `_fill_masks`), so that each draft
+        level keeps to the grammar; then verification with every verify row's mask applied, so that a draft the grammar forbids is never accepted and the bonus token is the
         masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each part's
         graph, captured at the shape's first such step; other batches run them eagerly. `_launch` uploaded the
         inputs; no row follows a launch (a grammar needs the tokens in flight)."""
@@ -401,12 +400,9 @@ class SpecGraphs(abc.ABC):
         """One size for every grammar of an engine (the model's vocabulary)."""
         shape = (self.max_bs * self.mask_rows, words)
         self.grammar_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        # Rewritten each step once its drafts are read back, when the last copy from it is done; one draft
-        # level's rows go through `_host_level` (each step's first, when the last step has been read back).
-        pinned = self.device.type == "cuda"
-        self._host_masks = torch.empty(shape, dtype=torch.int32, pin_memory=pinned)
-        self._host_level = torch.empty(self.max_bs, words, dtype=torch.int32, pin_memory=pinned)
-        self._chain_scratch = torch.empty(self.mask_rows, words, dtype=torch.int32)
+        # Rewritten once the drafts before it are read back, when the last copy from it is done.
+        self._host_level = torch.empty(self.max_bs, words, dtype=torch.int32,
+                                       pin_memory=self.device.type == "cuda")
         self._draft_to_target = self.head.to_target_ids(torch.arange(len(self.head.d2t), device=self.device))
 
     def _grammar_level(self, bs: int, logits: torch.Tensor, row: int = 0) -> torch.Tensor:
@@ -422,8 +418,9 @@ class SpecGraphs(abc.ABC):
         """The first b sequences' drafts as Python values, one per sequence (a sync)."""
 
     @abc.abstractmethod
-    def _row_masks(self, seq, drafts, out: torch.Tensor) -> None:
-        """Fills `out` [mask_rows, words] with what `seq`'s grammar allows after each verify row's path."""
+    def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
+        """After the last draft part: every verify row's mask of each constrained sequence (`drafts`: its drafts
+        as `_drafts_on_host` reads them), every other row allowing everything."""
 
     def _verify_masked(self, bs: int, n: int, drafts, metas: dict, params: list[SamplingParams] | None = None
                        ) -> torch.Tensor:
@@ -434,25 +431,14 @@ class SpecGraphs(abc.ABC):
 
     def _fill_level(self, seqs, bs: int, row: int, drafts: list) -> None:
         """Verify row `row` of every sequence alone (the mask of draft level `row`: the grammar after the root
-        and the first `row` drafts), for a draft part; a sequence without a grammar, or with fewer drafts
-        scheduled (that level's draft is never verified), allows everything."""
-        host, scratch = self._host_level[:bs].fill_(-1), self._chain_scratch[: row + 1]
-        for i, seq in enumerate(seqs):
-            if seq.grammar is not None and row < seq.num_draft_tokens:
-                scratch.fill_(-1)
-                seq.grammar.chain_masks(drafts[i][:row], scratch)
-                host[i] = scratch[row]
+        and the first `row` drafts), for a draft part; a sequence without a grammar, or with fewer than `row`
+        drafts scheduled (the row never decides), allows everything."""
+        host = self._host_level[:bs].fill_(-1)
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and row <= seq.num_draft_tokens]
+        masks = run_jobs([functools.partial(seqs[i].grammar.path_masks, [drafts[i][:row]]) for i in rows])
+        for i, mask in zip(rows, masks):
+            host[i] = mask[0]
         self.grammar_masks[row: bs * self.mask_rows: self.mask_rows].copy_(host, non_blocking=True)
-
-    def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
-        """Every verify row's mask of each constrained sequence (`_row_masks`); every other row allows
-        everything."""
-        rows = self.mask_rows
-        host = self._host_masks[: bs * rows].fill_(-1)
-        for i, seq in enumerate(seqs):
-            if seq.grammar is not None:
-                self._row_masks(seq, drafts[i], host[i * rows: (i + 1) * rows])
-        self.grammar_masks[: bs * rows].copy_(host, non_blocking=True)
 
     def _masked_graphs(self, bs: int, n: int) -> tuple | None:
         """`_masked_parts` at this shape as graph replays, captured now if this is its first constrained step;

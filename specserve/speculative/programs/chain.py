@@ -217,10 +217,10 @@ class ChainGraphs(SpecGraphs):
     def _drafts_on_host(self, drafts: torch.Tensor, b: int) -> list[list[int]]:
         return drafts[:b].tolist()
 
-    def _row_masks(self, seq, drafts: list[int], out: torch.Tensor) -> None:
-        """Rows 0..len(drafts) (the drafts so far); rows past the scheduled drafts never decide."""
-        drafts = drafts[: seq.num_draft_tokens]
-        seq.grammar.chain_masks(drafts, out[: len(drafts) + 1])
+    def _fill_masks(self, seqs, bs: int, drafts: list[list[int]]) -> None:
+        """Verify row j (j < k), the grammar after the first j drafts, is draft level j's mask, filled before
+        that level (`_fill_level`); only row k, after every draft, is left."""
+        self._fill_level(seqs, bs, self.k, drafts)
 
     def _accept(self, bs: int, drafts: torch.Tensor, logits: torch.Tensor, forced: torch.Tensor | None,
                 params: list[SamplingParams] | None):

@@ -28,6 +28,7 @@ checks it.
 from __future__ import annotations
 
 from collections.abc import Generator
+from functools import partial
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.grammar_mask import allowed_drafts
 from specserve.sampling.sampler import argmax, filtered_probs, race
 from specserve.speculative.search import search_depth
+from specserve.structured.step_masks import run_jobs
 from specserve.transfer import tensor_on
 
 
@@ -297,11 +299,13 @@ class TreeGraphs(SpecGraphs):
         return [level(i) for i in range(self.depth)], verify
 
     def _allocate_masks(self, words: int) -> None:
-        """Besides the verify rows' masks, one per fed row of a search level (`_fill_level`)."""
+        """Besides the root's, one mask per fed row of a search level (`_fill_level`), and every verify row's
+        (`_fill_masks`), each filled on the host once the drafts before it are read back."""
         super()._allocate_masks(words)
-        rows = self.max_bs * self.topk
-        self.fed_masks = torch.full((rows, words), -1, dtype=torch.int32, device=self.device)
-        self._host_fed = torch.empty(rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        pinned, fed = self.device.type == "cuda", self.max_bs * self.topk
+        self.fed_masks = torch.full((fed, words), -1, dtype=torch.int32, device=self.device)
+        self._host_fed = torch.empty(fed, words, dtype=torch.int32, pin_memory=pinned)
+        self._host_masks = torch.empty(self.grammar_masks.shape, dtype=torch.int32, pin_memory=pinned)
 
     def _fill_level(self, seqs, bs: int, level: int, drafts: list) -> None:
         """Level 0: each root's verify row. A further level: per fed row, what the grammar allows after the
@@ -310,19 +314,28 @@ class TreeGraphs(SpecGraphs):
             return super()._fill_level(seqs, bs, level, drafts)
         k = self.topk
         host = self._host_fed[: bs * k].fill_(-1)
-        for i, seq in enumerate(seqs):
-            if seq.grammar is not None:
-                host[i * k: (i + 1) * k] = seq.grammar.path_masks(drafts[i])
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        for i, masks in zip(constrained, run_jobs([partial(seqs[i].grammar.path_masks, drafts[i])
+                                                   for i in constrained])):
+            host[i * k: (i + 1) * k] = masks
         self.fed_masks[: bs * k].copy_(host, non_blocking=True)
+
+    def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
+        """Each constrained sequence's verify rows, per node of its tree (xgrammar's draft-tree traversal);
+        nodes past the scheduled drafts never decide."""
+        rows = self.mask_rows
+        host = self._host_masks[: bs * rows].fill_(-1)
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        for i, masks in zip(constrained, run_jobs([partial(seqs[i].grammar.tree_masks, *drafts[i])
+                                                   for i in constrained])):
+            host[i * rows: (i + 1) * rows] = masks
+        self.grammar_masks[: bs * rows].copy_(host, non_blocking=True)
 
     def _drafts_on_host(self, drafts, b: int) -> list:
         """A level's fed paths ([b][k][level] target ids), or the selected trees' (tokens, parents)."""
         if isinstance(drafts, torch.Tensor):
             return drafts[:b].tolist()
         return list(zip(drafts["tokens"][:b].tolist(), drafts["parent"][:b].tolist()))
-
-    def _row_masks(self, seq, tree: tuple[list[int], list[int]], out: torch.Tensor) -> None:
-        out.copy_(seq.grammar.tree_masks(*tree))  # nodes past the scheduled drafts never decide
 
     def _search(self, bs: int, n: int, rows: dict, masked: bool = False) -> Generator:
         """The search, level by level, as a generator: before each level past the first it yields what that
