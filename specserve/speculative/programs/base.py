@@ -371,8 +371,8 @@ class SpecGraphs(abc.ABC):
         """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a
         read-back of the drafts so far and the host filling each constrained row's masks for them (the next
         draft level's, `_fill_level`; after the last, every verify row's, `_fill_masks`), so that each draft
-        level keeps to the grammar; then verification with every verify row's mask applied, so that a draft the grammar forbids is never accepted and the bonus token is the
-        masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each part's
+        level keeps to the grammar; then verification with every verify row's mask applied, so that a draft
+        the grammar forbids is never accepted and the bonus token is the masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each part's
         graph, captured at the shape's first such step; other batches run them eagerly. `_launch` uploaded the
         inputs; no row follows a launch (a grammar needs the tokens in flight)."""
         if self.grammar_masks is None:
