@@ -368,13 +368,13 @@ class SpecGraphs(abc.ABC):
     mask_rows: int  # verify rows per sequence: a grammar mask each
 
     def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
-        """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a
-        read-back of the drafts so far and the host filling each constrained row's masks for them (the next
-        draft level's, `_fill_level`; after the last, every verify row's, `_fill_masks`), so that each draft
-        level keeps to the grammar; then verification with every verify row's mask applied, so that a draft
-        the grammar forbids is never accepted and the bonus token is the masked argmax or a draw from the masked distribution. On a GPU a greedy batch replays each part's
-        graph, captured at the shape's first such step; other batches run them eagerly. `_launch` uploaded the
-        inputs; no row follows a launch (a grammar needs the tokens in flight)."""
+        """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a read-
+        back of the drafts so far and the host filling each constrained row's masks for them (the next draft
+        level's, `_fill_level`; after the last, every verify row's, `_fill_masks`), so that each draft level keeps
+        to the grammar; then verification with every verify row's mask applied, so that a draft the grammar forbids
+        is never accepted and the bonus token is the masked argmax or a draw from the masked distribution. On a GPU
+        a greedy batch replays each part's graph, captured at the shape's first such step; other batches run them
+        eagerly. `_launch` uploaded the inputs; no row follows a launch (a grammar needs the tokens in flight)."""
         if self.grammar_masks is None:
             self._allocate_masks(next(s.grammar.num_words for s in seqs if s.grammar is not None))
         self._fill_level(seqs, bs, 0, [[] for _ in seqs])  # each root's row, for the first draft level
