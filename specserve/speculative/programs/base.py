@@ -368,8 +368,8 @@ class SpecGraphs(abc.ABC):
     mask_rows: int  # verify rows per sequence: a grammar mask each
 
     def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
-        """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a read-
-        back of the drafts so far and the host filling each constrained row's masks for them (the next draft
+        """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a
+        read-back of the drafts so far and the host filling each constrained row's masks for them (the next draft
         level's, `_fill_level`; after the last, every verify row's, `_fill_masks`), so that each draft level keeps
         to the grammar; then verification with every verify row's mask applied, so that a draft the grammar forbids
         is never accepted and the bonus token is the masked argmax or a draw from the masked distribution. On a GPU
