@@ -191,9 +191,11 @@ class ModelRunner:
     def _launch(self, batch: StepBatch, publish: bool) -> StepOutput:
         program = self.program if self.recorder is None else None
         if program is not None and program.fits(batch):
-            if any(s.grammar is not None for s in batch.seqs):  # its masks are built while the device waits
+            tokens = program.launch(batch, self.timer)
+            if any(s.grammar is not None for s in batch.seqs):
                 self.mask_timing.steps += 1
-            return StepOutput(device_tokens=program.launch(batch, self.timer), program_width=program.width)
+                self.mask_timing.ready_first += program.masks_ready_first
+            return StepOutput(device_tokens=tokens, program_width=program.width)
         if batch.follow is not None:  # only the program can derive its inputs
             raise ValueError("a following step needs the chain or tree program, at a shape it covers")
         seqs = batch.seqs

@@ -61,6 +61,11 @@ class StepProgram(Protocol):
     def launch(self, batch: StepBatch, timer) -> torch.Tensor:
         """Queues the step on the device; returns its packed rows (`unpack` reads them), without a sync."""
 
+    @property
+    def masks_ready_first(self) -> bool:
+        """Whether the last launch, if it held rows under a grammar, had its verify rows' masks built before
+        the device finished the verify forward."""
+
 
 @dataclass(frozen=True)
 class Speculator:

@@ -83,6 +83,7 @@ class SpecGraphs(abc.ABC):
         self._draft_to_target: torch.Tensor | None = None  # every draft id's target id
         self.masked_graphs: dict[tuple[int, int], tuple] = {}
         self.num_masked_runs = 0  # steps that held rows under a grammar
+        self.masks_ready_first = False  # the last such step's verify masks, before its verify forward ended
 
     @abc.abstractmethod
     def _buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -368,33 +369,52 @@ class SpecGraphs(abc.ABC):
     mask_rows: int  # verify rows per sequence: a grammar mask each
 
     def _constrained_step(self, seqs, bs: int, n: int, params: list[SamplingParams] | None) -> torch.Tensor:
-        """A step with rows under a grammar, in parts (`_masked_parts`): the draft parts, each followed by a
-        read-back of the drafts so far and the host filling each constrained row's masks for them (the next draft
-        level's, `_fill_level`; after the last, every verify row's, `_fill_masks`), so that each draft level keeps
-        to the grammar; then verification with every verify row's mask applied, so that a draft the grammar forbids
-        is never accepted and the bonus token is the masked argmax or a draw from the masked distribution. On a GPU
-        a greedy batch replays each part's graph, captured at the shape's first such step; other batches run them
-        eagerly. `_launch` uploaded the inputs; no row follows a launch (a grammar needs the tokens in flight)."""
+        """A step with rows under a grammar, in parts (`_masked_parts`). The draft parts, each followed by a
+        read-back of the drafts so far and the host filling the next draft level's masks for them
+        (`_fill_level`), so that each draft level keeps to the grammar. Then the verify forward, queued, while
+        the host fills every verify row's mask (`_fill_masks`); then the masked acceptance, so that a draft the
+        grammar forbids is never accepted and the bonus token is the masked argmax or a draw from the masked
+        distribution. On a GPU a greedy batch replays each part's graph, captured at the shape's first such
+        step; other batches run them eagerly. `_launch` uploaded the inputs; no row follows a launch (a grammar
+        needs the tokens in flight)."""
         if self.grammar_masks is None:
             self._allocate_masks(next(s.grammar.num_words for s in seqs if s.grammar is not None))
         self._fill_level(seqs, bs, 0, [[] for _ in seqs])  # each root's row, for the first draft level
         captured = self._masked_graphs(bs, n) if params is None else None
-        parts, verify = captured if captured is not None else self._masked_parts(bs, n, params)
+        parts, forward, accept = captured if captured is not None else self._masked_parts(bs, n, params)
         for level, part in enumerate(parts, start=1):
             drafts = self._drafts_on_host(part(), len(seqs))
             if level < len(parts):
-                self._fill_level(seqs, bs, level, drafts)  # the next part's draft level
-            else:
-                self._fill_masks(seqs, bs, drafts)  # every verify row
+                self._fill_level(seqs, bs, level, drafts)
+        forward()
+        finished = _Finished(self.device)
+        self._fill_masks(seqs, bs, drafts)
+        self.masks_ready_first = not finished()
         self.num_masked_runs += 1
-        return verify()
+        return accept()
 
     @abc.abstractmethod
     def _masked_parts(self, bs: int, n: int, params: list[SamplingParams] | None = None
-                      ) -> tuple[list[Callable[[], object]], Callable[[], torch.Tensor]]:
+                      ) -> tuple[list[Callable[[], object]], Callable[[], object], Callable[[], torch.Tensor]]:
         """A constrained step's device work: the draft parts (each returns the drafts so far, for
-        `_drafts_on_host`; a part's masked draft level reads the masks the host filled before it), and the
-        verification (returns the packed tokens)."""
+        `_drafts_on_host`; a part's masked draft level reads the masks the host filled before it), then the
+        verification's two (`_verify_parts`)."""
+
+    def _verify_parts(self, bs: int, n: int, step: dict, params: list[SamplingParams] | None
+                      ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+        """The verify forward over `step`'s drafts, then acceptance against its logits with every verify row's
+        grammar mask applied (returns the packed tokens). `step` holds the drafts and the metas by the time
+        they run."""
+        def forward() -> torch.Tensor:
+            step["logits"] = self._target_logits(bs, n, step["drafts"], step["metas"])  # masked in place later
+            return step["logits"]
+
+        def accept() -> torch.Tensor:
+            logits = step["logits"]
+            forbidden = allowed_tokens(self.grammar_masks[: bs * self.mask_rows], logits.shape[-1], forbidden=True)
+            logits.masked_fill_(forbidden.view(logits.shape), float("-inf"))
+            return self._accept_packed(bs, step["drafts"], logits, None, params)
+        return forward, accept
 
     def _allocate_masks(self, words: int) -> None:
         """One size for every grammar of an engine (the model's vocabulary)."""
@@ -421,13 +441,6 @@ class SpecGraphs(abc.ABC):
     def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
         """After the last draft part: every verify row's mask of each constrained sequence (`drafts`: its drafts
         as `_drafts_on_host` reads them), every other row allowing everything."""
-
-    def _verify_masked(self, bs: int, n: int, drafts, metas: dict, params: list[SamplingParams] | None = None
-                       ) -> torch.Tensor:
-        logits = self._target_logits(bs, n, drafts, metas)  # a fresh tensor: masked in place
-        forbidden = allowed_tokens(self.grammar_masks[: bs * self.mask_rows], logits.shape[-1], forbidden=True)
-        logits.masked_fill_(forbidden.view(logits.shape), float("-inf"))
-        return self._accept_packed(bs, drafts, logits, None, params)
 
     def _fill_level(self, seqs, bs: int, row: int, drafts: list) -> None:
         """Verify row `row` of every sequence alone (the mask of draft level `row`: the grammar after the root
@@ -460,19 +473,18 @@ class SpecGraphs(abc.ABC):
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            parts, verify = self._masked_parts(bs, n)
-            for part in parts:
-                part()
-            verify()
+            parts, forward, accept = self._masked_parts(bs, n)
+            for run in [*parts, forward, accept]:
+                run()
         current.wait_stream(stream)
-        parts, verify = self._masked_parts(bs, n)
+        parts, forward, accept = self._masked_parts(bs, n)
         replays = []
-        for run in [*parts, verify]:
+        for run in [*parts, forward, accept]:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 out = run()
             replays.append(functools.partial(_replay, graph, out))
-        return replays[:-1], replays[-1]
+        return replays[:-2], replays[-2], replays[-1]
 
     @torch.inference_mode()
     def _capture(self, progress: bool, desc: str) -> None:
@@ -536,6 +548,19 @@ def table_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) ->
     past it."""
     page = (positions // page_size).clamp(max=table.shape[1] - 1)
     return table.gather(1, page).long() * page_size + positions % page_size
+
+
+class _Finished:
+    """Whether the device has finished what was queued before this was made (a CPU: always, its ops ran)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def __call__(self) -> bool:
+        return self._event is None or self._event.query()
 
 
 def _replay(graph: torch.cuda.CUDAGraph, out):

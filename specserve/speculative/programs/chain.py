@@ -199,8 +199,8 @@ class ChainGraphs(SpecGraphs):
     # -- rows under a grammar (`_constrained_step`) ---------------------------------------------------
     def _masked_parts(self, bs: int, n: int, params: list[SamplingParams] | None = None):
         """One part per draft level, each within its rows' grammars (the masks after the drafts so far), then
-        the verification."""
-        step = {}
+        the verification's two."""
+        step = {"drafts": self.verify_ids[:bs, 1:]}
 
         def level(i: int):
             def run() -> torch.Tensor:
@@ -209,10 +209,7 @@ class ChainGraphs(SpecGraphs):
                 step["state"] = self._draft_level(bs, step["metas"], i, step.get("state"), masked=True)
                 return self.verify_ids[:bs, 1: i + 2]
             return run
-
-        def verify() -> torch.Tensor:
-            return self._verify_masked(bs, n, self.verify_ids[:bs, 1:], step["metas"], params)
-        return [level(i) for i in range(self.k)], verify
+        return [level(i) for i in range(self.k)], *self._verify_parts(bs, n, step, params)
 
     def _drafts_on_host(self, drafts: torch.Tensor, b: int) -> list[list[int]]:
         return drafts[:b].tolist()

@@ -59,6 +59,10 @@ class ShapePrograms:
         return self.last.last_root
 
     @property
+    def masks_ready_first(self) -> bool:
+        return self.last.masks_ready_first
+
+    @property
     def num_runs(self) -> int:
         return sum(p.num_runs for p in self._programs())
 

@@ -279,7 +279,7 @@ class TreeGraphs(SpecGraphs):
     def _masked_parts(self, bs: int, n: int, params=None):
         """One part per search level, each within its rows' grammars: the first after the root, each further
         one after the path to each fed node (the host fills those masks between parts, `_fill_level`); the
-        last part also selects the tree. Then the verification."""
+        last part also selects the tree. Then the verification's two."""
         step = {}
 
         def level(i: int):
@@ -290,13 +290,10 @@ class TreeGraphs(SpecGraphs):
                 try:
                     return next(step["levels"])  # the paths of the nodes the next level feeds
                 except StopIteration as done:
-                    step["nodes"] = self._select(bs, *done.value)
-                    return step["nodes"]
+                    step["drafts"] = self._select(bs, *done.value)
+                    return step["drafts"]
             return run
-
-        def verify() -> torch.Tensor:
-            return self._verify_masked(bs, n, step["nodes"], step["metas"], params)
-        return [level(i) for i in range(self.depth)], verify
+        return [level(i) for i in range(self.depth)], *self._verify_parts(bs, n, step, params)
 
     def _allocate_masks(self, words: int) -> None:
         """Besides the root's, one mask per fed row of a search level (`_fill_level`), and every verify row's
