@@ -24,7 +24,7 @@ import os
 import threading
 from functools import partial
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -51,8 +51,10 @@ def run_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:
         if _fill_pool is None:
             _fill_pool = ThreadPoolExecutor(_FILL_THREADS, thread_name_prefix="grammar-fill")
     size = -(-len(jobs) // _FILL_THREADS)
-    shares = [jobs[i: i + size] for i in range(0, len(jobs), size)]
-    return [result for share in _fill_pool.map(_run_share, shares) for result in share]
+    futures = [_fill_pool.submit(_run_share, jobs[i: i + size]) for i in range(0, len(jobs), size)]
+    # Every share ends before a failure is raised: a step given up must leave no thread on its grammars.
+    wait(futures)
+    return [result for future in futures for result in future.result()]
 
 
 def _run_share(jobs: Sequence[Callable[[], T]]) -> list[T]:

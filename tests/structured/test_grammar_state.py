@@ -147,3 +147,27 @@ def test_masks_filled_on_threads_equal_those_filled_in_turn(grammars, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(filled, expected, strict=True))
     assert threads and threading.get_ident() not in threads
     assert all(torch.equal(s.path_masks([[]]), e[:1]) for s, e in zip(states, expected))
+
+
+def test_a_failed_fill_is_raised_once_every_thread_is_done(monkeypatch):
+    """A step whose masks fail is given up, and retried: no thread may still be on a grammar by then."""
+    import time
+
+    from specserve.structured import step_masks
+
+    monkeypatch.setattr(step_masks, "_FILL_THREADS", 3)
+    monkeypatch.setattr(step_masks, "_fill_pool", None)
+    done = []
+
+    def slow(i):
+        time.sleep(0.05)
+        done.append(i)
+
+    def fail():
+        raise RuntimeError("bad grammar")
+    jobs = [fail] + [lambda i=i: slow(i) for i in range(step_masks.PARALLEL_MIN_JOBS)]
+    with pytest.raises(RuntimeError, match="bad grammar"):
+        step_masks.run_jobs(jobs)
+    # The failing share stops at its first job; the other shares run to their ends.
+    share = -(-len(jobs) // 3)
+    assert sorted(done) == list(range(share - 1, step_masks.PARALLEL_MIN_JOBS))

@@ -5,6 +5,7 @@ unconstrained rows in the same batches are unaffected. Forced spans (which the g
 off, so that the programs take every drafting step; the tree program runs on the CPU as on a GPU."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import jsonschema
@@ -35,6 +36,17 @@ def run(llm, prompts, params):
     return run_batch(llm, prompts, params)[0]
 
 
+@contextlib.contextmanager
+def threaded_fills():
+    """Mask fills on host threads for batches of two or more, as a many-core host runs a large batch's."""
+    from specserve.structured import step_masks
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_masks, "_FILL_THREADS", 3)
+        patch.setattr(step_masks, "PARALLEL_MIN_JOBS", 2)
+        yield
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_chat_model, tiny_chat_head):
     """Per configuration (speculation off, a chain of 3, a tree of 6): the greedy batch with unconstrained
@@ -44,7 +56,7 @@ def runs(tiny_chat_model, tiny_chat_head):
     results = {}
     for name, shape in SHAPES.items():
         spec = {"spec": SpecConfig("EAGLE3", str(tiny_chat_head), *shape)} if shape else {}
-        with envs.override(forced_drafts=False, tree_program_on_cpu=True):
+        with envs.override(forced_drafts=False, tree_program_on_cpu=True), threaded_fills():
             llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, **spec)
             greedy = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
             sampled = run(llm, prompts(), schema_params(1.0))
@@ -71,7 +83,7 @@ def test_greedy_in_the_program_equals_greedy_without_speculation(runs, config):
 def test_with_program_masks_off_the_general_path_takes_them_alike(runs, tiny_chat_model, tiny_chat_head, config):
     from specserve.llm import LLM
 
-    with envs.override(forced_drafts=False, program_masks=False, tree_program_on_cpu=True):
+    with envs.override(forced_drafts=False, program_masks=False, tree_program_on_cpu=True), threaded_fills():
         llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192,
                   spec=SpecConfig("EAGLE3", str(tiny_chat_head), *SHAPES[config]))
         greedy = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
@@ -97,21 +109,24 @@ def test_every_output_is_valid_and_nothing_leaks(runs, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["chain", "tree"])
 def test_on_a_gpu_the_parts_replay_graphs_as_they_run_eagerly(tiny_chat_model, tiny_chat_head, config):
-    """The parts' graphs, captured at each shape's first constrained step, give the eager parts' tokens."""
+    """The parts' graphs, captured at each shape's first constrained step, give the eager parts' tokens and
+    steps; the tree's, with its search in the Triton kernels (fed paths read from their buffers), those of the
+    PyTorch search."""
     from specserve.llm import LLM
 
     spec = SpecConfig("EAGLE3", str(tiny_chat_head), *SHAPES[config])
-    outputs = {}
-    for graphs in (True, False):
-        llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, device="cuda", spec=spec,
-                  disable_cuda_graph=not graphs)
-        with envs.override(forced_drafts=False):
-            outputs[graphs] = [o.token_ids for o in run(llm, prompts() + FREE_PROMPTS,
-                                                        schema_params(0.0) + [FREE] * len(FREE_PROMPTS))]
+    runs = {}
+    for name, graphs, switches in (("graphs", True, {}), ("eager", False, {}),
+                                   ("pytorch search", False, {"fused_search": False})):
+        with envs.override(forced_drafts=False, **switches):
+            llm = LLM(model=str(tiny_chat_model), max_total_tokens=8192, device="cuda", spec=spec,
+                      disable_cuda_graph=not graphs)
+            outputs = run(llm, prompts() + FREE_PROMPTS, schema_params(0.0) + [FREE] * len(FREE_PROMPTS))
+        runs[name] = [(o.token_ids, o.num_spec_steps) for o in outputs]
         program = llm.engine.runner.program
-        assert program.num_masked_runs > 10 and bool(program.masked_graphs) == graphs
+        assert program.num_masked_runs > 10 and bool(program.last.masked_graphs) == graphs
         llm.close()
-    assert outputs[True] == outputs[False]
+    assert runs["graphs"] == runs["eager"] == runs["pytorch search"]
 
 
 @pytest.mark.parametrize("row", [0, 1])
