@@ -47,7 +47,7 @@ def test_captured_programs_on_two_gpus_are_lossless(tmp_path, tiny_checkpoint, s
     prompts = make_prompts(512, seed=4)
     engine = _two_gpus(replace(tight_config(str(path), 200), spec=SpecConfig("EAGLE3", str(tmp_path), **spec)))
     try:
-        assert engine.runner.program is not None and engine.runner.program.graphs
+        assert engine.runner.program is not None and engine.runner.program.last.graphs
         outputs, _ = run_staggered(engine, prompts)
         agree = engine.runner.step_sender.replicas_agree(engine.runner)
         runs = engine.runner.program.num_runs
