@@ -32,8 +32,11 @@ from specserve.llm import LLM
 
 DEFAULT_OUT = Path("benchmarks/results/structured_cpu.json")
 # (constrained, overlap) per row of a configuration: free text without overlap, then the constraints without
-# and with it.
+# and with it. A fourth row, free text cut to the constrained outputs' lengths, with overlap (`SAME_LENGTHS`),
+# is what the constrained rows are compared with: a batch's requests then end at the same steps, so occupancy
+# and the share of prompt work are the same, and only what the constraints cost differs.
 ROWS = ((False, False), (True, False), (True, True))
+SAME_LENGTHS = (False, "same lengths")
 
 
 def schema_prompts() -> list[tuple[list[dict], dict]]:
@@ -67,13 +70,17 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
 
 
 def measure(llm: LLM, prompts: list[list[int]], schemas: list[dict], constrained: bool, max_tokens: int,
-            overlap: bool = False, batch_size: int | None = None) -> dict:
+            overlap: bool = False, batch_size: int | None = None, lengths: list[int] | None = None) -> dict:
+    """One row. `lengths`: free text, each request cut to its length (and past any stop token)."""
     llm.engine.overlap = overlap
     timing = llm.engine.runner.mask_timing
     timing.reset()
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                             constraint=Constraint("json_schema", json.dumps(s)) if constrained else None)
-              for s in schemas]
+    if lengths is not None:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    else:
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                 constraint=Constraint("json_schema", json.dumps(s)) if constrained else None)
+                  for s in schemas]
     outputs, seconds = [], 0.0
     size = batch_size or len(prompts)
     for start in range(0, len(prompts), size):
@@ -83,7 +90,8 @@ def measure(llm: LLM, prompts: list[list[int]], schemas: list[dict], constrained
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.num_spec_steps for o in outputs)
     decoded = tokens - len(outputs)  # each request's first token comes with its prompt
-    row = {"constrained": constrained, "overlap": overlap, "output_tokens": tokens, "decode_seconds": seconds,
+    row = {"constrained": constrained, "overlap": overlap, "same_lengths": lengths is not None,
+           "output_tokens": tokens, "decode_seconds": seconds, "lengths": [len(o.token_ids) for o in outputs],
            "tok_s": decoded / seconds,
            "mean_acceptance_length": (sum(o.num_accepted_tokens for o in outputs) + steps) / steps if steps else None,
            "finished_by_stop": sum(o.finish_reason == "stop" for o in outputs) / len(outputs)}
@@ -139,23 +147,33 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
         # warm-up: kernels, the tokenizer's table, the compiler, the mask worker
         for constrained, overlap in ROWS:
             measure(llm, prompts[:2], list(schemas[:2]), constrained, 8, overlap)
-        runs = {key: [] for key in ROWS}
+        runs = {key: [] for key in (*ROWS, SAME_LENGTHS)}
         for r in range(args.repeats):
-            # Free text once; the constrained pair alternates its order, so the machine's drift favours neither.
-            pair = ROWS[1:] if r % 2 == 0 else ROWS[:0:-1]
-            for key in ((ROWS[0],) if r == 0 else ()) + pair:
-                runs[key].append(measure(llm, prompts, list(schemas), key[0], args.max_tokens, key[1],
-                                         args.batch_size))
+            # Free text once; the constrained pair and the free text of their lengths take turns in an order
+            # that alternates, so the machine's drift favours none.
+            turn = (*ROWS[1:], SAME_LENGTHS) if r % 2 == 0 else (SAME_LENGTHS, *ROWS[:0:-1])
+            for key in ((ROWS[0], ROWS[1]) if r == 0 else ()) + turn:
+                if key == SAME_LENGTHS:
+                    # overlap on, as the constrained rows' best
+                    row = measure(llm, prompts, list(schemas), False, args.max_tokens, True, args.batch_size,
+                                  runs[ROWS[1]][0]["lengths"])
+                elif r == 0 and key == ROWS[1] and runs[key]:
+                    continue  # measured first, for its lengths
+                else:
+                    row = measure(llm, prompts, list(schemas), key[0], args.max_tokens, key[1], args.batch_size)
+                runs[key].append(row)
         llm.close()  # the next configuration's engine gets the whole device
-        for constrained, overlap in ROWS:
-            row = {"config": label, **_median_run(runs[constrained, overlap])}
+        for key in (ROWS[0], SAME_LENGTHS, *ROWS[1:]):
+            row = {"config": label, **_median_run(runs[key])}
             rows.append(row)
-            kind = ("constrained, overlap " + ("on" if overlap else "off")) if constrained else "free"
+            constrained, overlap = key
+            kind = (("constrained, overlap " + ("on" if overlap else "off")) if constrained else
+                    "free, constrained lengths" if overlap == SAME_LENGTHS[1] else "free")
             print(f"{label:44s} {kind:23s} {row['tok_s']:7.1f} tok/s  acceptance {row['mean_acceptance_length']}  "
                   f"valid {row.get('valid_share', '-')}  masks ready first {row.get('mask_ready_share', '-')}",
                   flush=True)
     for row in rows:
-        free = next(r for r in rows if r["config"] == row["config"] and not r["constrained"])
+        free = next(r for r in rows if r["config"] == row["config"] and r["same_lengths"])
         row["tok_s_ratio_to_free"] = row["tok_s"] / free["tok_s"]
     report = {
         "benchmark": "structured",
