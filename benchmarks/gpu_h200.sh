@@ -132,8 +132,9 @@ fi
 if [[ $modes == *" tp1 "* ]]; then  # only when named: it needs TP_BASE
   python3 benchmarks/compare_revisions.py --base "${TP_BASE:?TP_BASE: a copy of the package before TP}" --out "$OUT"
 fi
-# Issue 48's figures: JSON-schema constraints against free text, at batch 1 and 64, speculation off, chain and
-# tree (random head), overlap off and on. A shipped config has no tokenizer: TOKENIZER_DIR names a copy
+# Issue 48's figures: JSON-schema constraints against free text of the same lengths, at concurrency 1 and 64,
+# speculation off, chain and tree (random head), overlap off and on; three repeats, so the median is past the
+# first constrained run's graph captures. A shipped config has no tokenizer: TOKENIZER_DIR names a copy
 # of SmolLM2's (tokenizer.json, tokenizer_config.json, chat_template.jinja), whose ids all lie inside the 8B
 # vocabulary. Random weights write random JSON until the grammar ends it or max_tokens cuts it.
 # structured_general: the same at batch 1 with constrained rows on the general path (SPECSERVE_PROGRAM_MASKS=0).
@@ -142,7 +143,7 @@ structured() {  # TAG BATCH_SIZES...
   for bs in "$@"; do
     python3 -m specserve.cli bench structured --device cuda --model-path llama-3.1-8b --load-format dummy \
       --dtype bfloat16 --context-length 2048 --tokenizer-path "${TOKENIZER_DIR:?a tokenizer directory}" \
-      --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 2 \
+      --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 3 \
       --out "$OUT/structured${tag}_8b_bs${bs}_h200.json"
   done
 }

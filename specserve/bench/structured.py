@@ -4,8 +4,9 @@ scheduling off and on (`specserve bench structured`).
 
 The workload is the schema suite of bench/schemas.py, each schema with a chat prompt asking for a JSON value
 that follows it. Every configuration runs all prompts as one batch (greedy), or with `--batch-size B` the suite
-cycled to at least B requests in batches of B; tok/s is the batches' output tokens after each request's first
-over the time from the step at which all of a batch have their first token to its end (prefill stays out); the
+cycled to 4 B requests with B in flight (each that finishes replaced by the next); tok/s is the output tokens
+after each request's first over the time from the step at which the first batch all have their first token to
+the end (later arrivals' prompts are in it); the
 acceptance length is tokens emitted per speculative step over the whole batch. Constrained outputs are checked
 against their schemas (`valid_share`).
 
@@ -69,6 +70,24 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
     return [t.output for t in trackers], time.perf_counter() - decoding_since
 
 
+def run_concurrent(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
+                   ) -> tuple[list, float]:
+    """The requests with `concurrency` in flight, each one that finishes replaced by the next, as a serving
+    load keeps them; the outputs in order, and the time from the step at which the first `concurrency` have
+    their first token to the end (later arrivals' prompts are in it, as under load)."""
+    trackers, active, waiting = [], [], list(zip(prompts, params))
+    decoding_since = None
+    while waiting or active:
+        while waiting and len(active) < concurrency:
+            trackers.append(llm.add(*waiting.pop(0)))
+            active.append(trackers[-1])
+        llm.step_and_track(active)
+        if decoding_since is None and all(t.output.token_ids for t in trackers):
+            decoding_since = time.perf_counter()
+        active = [t for t in active if t.output.finish_reason is None]
+    return [t.output for t in trackers], time.perf_counter() - decoding_since
+
+
 def measure(llm: LLM, prompts: list[list[int]], schemas: list[dict], constrained: bool, max_tokens: int,
             overlap: bool = False, batch_size: int | None = None, lengths: list[int] | None = None) -> dict:
     """One row. `lengths`: free text, each request cut to its length (and past any stop token)."""
@@ -81,12 +100,10 @@ def measure(llm: LLM, prompts: list[list[int]], schemas: list[dict], constrained
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                  constraint=Constraint("json_schema", json.dumps(s)) if constrained else None)
                   for s in schemas]
-    outputs, seconds = [], 0.0
-    size = batch_size or len(prompts)
-    for start in range(0, len(prompts), size):
-        batch_outputs, batch_seconds = run_batch(llm, prompts[start:start + size], params[start:start + size])
-        outputs += batch_outputs
-        seconds += batch_seconds
+    if batch_size is None:
+        outputs, seconds = run_batch(llm, prompts, params)
+    else:
+        outputs, seconds = run_concurrent(llm, prompts, params, batch_size)
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.num_spec_steps for o in outputs)
     decoded = tokens - len(outputs)  # each request's first token comes with its prompt
@@ -136,8 +153,8 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
     if engine_config.device == "auto":
         engine_config = replace(engine_config, device="cpu")
     messages, schemas = zip(*schema_prompts())
-    if args.batch_size is not None:  # the suite cycled to whole batches of at least its own size
-        count = -(-max(args.batch_size, len(schemas)) // args.batch_size) * args.batch_size
+    if args.batch_size is not None:  # the suite cycled to four times the concurrency (at least once)
+        count = max(4 * args.batch_size, len(schemas))
         messages, schemas = [messages[i % len(messages)] for i in range(count)], [schemas[i % len(schemas)]
                                                                                    for i in range(count)]
     rows = []

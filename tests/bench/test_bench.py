@@ -215,7 +215,7 @@ def test_mt_bench_has_80_two_turn_questions():
     assert _conversations(str(question_file), None) == _conversations("mt-bench", None)
 
 
-def test_structured_bench_runs_the_suite_in_batches_and_takes_a_random_head(tiny_chat_model, monkeypatch):
+def test_structured_bench_keeps_its_concurrency_and_takes_a_random_head(tiny_chat_model, monkeypatch):
     from specserve.bench import structured
     from specserve.llm import LLM
 
@@ -224,8 +224,11 @@ def test_structured_bench_runs_the_suite_in_batches_and_takes_a_random_head(tiny
     llm = LLM(model=str(tiny_chat_model), max_total_tokens=2048)
     messages, schemas = zip(*structured.schema_prompts()[:3])
     prompts = [llm.chat_prompt(m) for m in messages]
-    batches = []
-    run_batch = structured.run_batch
-    monkeypatch.setattr(structured, "run_batch", lambda llm, p, q: (batches.append(len(p)), run_batch(llm, p, q))[1])
+    in_flight = []
+    step_and_track = llm.step_and_track
+    monkeypatch.setattr(llm, "step_and_track", lambda active: (in_flight.append(len(active)), step_and_track(active)))
     row = structured.measure(llm, prompts, list(schemas), True, 6, batch_size=2)
-    assert batches == [2, 1] and row["output_tokens"] >= 3 and 0.0 <= row["valid_share"] <= 1.0
+    # Two in flight from the start, and never more.
+    assert max(in_flight) == 2 and in_flight[0] == 2
+    assert len(row["lengths"]) == 3 and row["output_tokens"] >= 3 and 0.0 <= row["valid_share"] <= 1.0
+    assert not llm.engine.has_work()
