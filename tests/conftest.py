@@ -3,6 +3,8 @@ tiny_checkpoints, ...), and the skip of tests marked `gpu` on machines without C
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +82,16 @@ def smollm2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory, smollm2_dir):
+def chat_tokenizer_dir(request):
+    """SmolLM2's tokenizer files: from the embedded model, or from the folder TOKENIZER_DIR names (a copy of
+    its tokenizer.json, tokenizer_config.json and chat_template.jinja, for a machine without the GGUF)."""
+    if os.environ.get("TOKENIZER_DIR"):
+        return Path(os.environ["TOKENIZER_DIR"])
+    return request.getfixturevalue("smollm2_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, chat_tokenizer_dir):
     """A tiny random Llama that shares SmolLM2's vocabulary, tokenizer and chat template: fast to run,
     real text in and out."""
     import shutil
@@ -94,8 +105,8 @@ def tiny_chat_model(tmp_path_factory, smollm2_dir):
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings), dtype=torch.float32)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
+        if (chat_tokenizer_dir / name).exists():
+            shutil.copy(chat_tokenizer_dir / name, path / name)
     return path
 
 
