@@ -49,10 +49,14 @@ def test_bit_unpacking_matches_the_bit_order():
     masks = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32)
     expected = ((masks[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(3, -1).bool()
     assert torch.equal(allowed_tokens(masks, 150), expected[:, :150])
-    logits = torch.randn(3, 150)
-    masked = mask_logits(logits, [masks[0:1], None, masks[2:3]])
-    assert torch.equal(masked[1], logits[1])
-    assert torch.equal(masked[0] == float("-inf"), ~expected[0, :150])
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(3, 150, dtype=dtype)
+        masked = mask_logits(logits, [masks[0:1], None, masks[2:3]])
+        assert torch.equal(masked[1], logits[1]) and masked.dtype == dtype
+        assert torch.equal(masked[0] == float("-inf"), ~expected[0, :150])
+        assert torch.equal(masked[2] == float("-inf"), ~expected[2, :150])
+        assert torch.equal(masked[expected[:, :150]], logits[expected[:, :150]])
+        assert not (logits == float("-inf")).any(), "the input is left as it was"
 
 
 @pytest.mark.parametrize("index", [0, 13, 16, 20])
