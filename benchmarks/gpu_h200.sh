@@ -144,7 +144,7 @@ structured() {  # TAG BATCH_SIZES...
   for bs in "$@"; do
     python3 -m specserve.cli bench structured --device cuda --model-path llama-3.1-8b --load-format dummy \
       --dtype bfloat16 --context-length 2048 --tokenizer-path "${TOKENIZER_DIR:?a tokenizer directory}" \
-      --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 3 \
+      --head random --tree 4 5 16 --batch-size $bs --max-tokens 128 --repeats 3 --host-profile \
       --out "$OUT/structured${tag}_8b_bs${bs}_h200.json"
   done
 }

@@ -311,7 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "speculation rows)")
     structured.add_argument("--tree", type=int, nargs=3, default=[2, 3, 6], metavar=("TOPK", "STEPS", "TOKENS"))
     structured.add_argument("--batch-size", type=int, default=None,
-                            help="requests per batch: the suite cycled to whole batches (default: the suite as one)")
+                            help="requests in flight: the suite cycled to four times as many, each one that "
+                                 "finishes replaced by the next (default: the suite as one batch)")
+    structured.add_argument("--host-profile", action="store_true",
+                            help="per configuration, one more constrained run with overlap under cProfile: the "
+                                 "host's functions by their own time, in the report")
     structured.add_argument("--max-tokens", type=int, default=160)
     structured.add_argument("--repeats", type=int, default=1, help="runs of each constrained row (overlap off "
                                                                    "and on, alternating; the median is reported)")

@@ -17,10 +17,13 @@ share of steps with constrained rows whose masks were ready before the device fi
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime as dt
 import json
+import pstats
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -139,6 +142,19 @@ def _head_name(head: str | None) -> str | None:
     return head
 
 
+def host_profile(run: Callable[[], object], top: int = 30) -> list[dict]:
+    """The calling thread's functions by their own time while `run` runs (cProfile): where a constrained step's
+    host time goes, and, in the waits, how long it waits for the device (a read-back) or for the threads that
+    fill masks (which the profiler does not see inside)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "calls": calls,
+             "own_seconds": round(own, 4), "cumulative_seconds": round(cumulative, 4)}
+            for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items()]
+    return sorted(rows, key=lambda r: -r["own_seconds"])[:top]
+
+
 def _valid(text: str, schema: dict) -> bool:
     import jsonschema
 
@@ -157,7 +173,7 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
         count = max(4 * args.batch_size, len(schemas))
         messages, schemas = [messages[i % len(messages)] for i in range(count)], [schemas[i % len(schemas)]
                                                                                    for i in range(count)]
-    rows = []
+    rows, profiles = [], {}
     for label, spec in spec_configs(args.head, tuple(args.tree)):
         llm = LLM(config=replace(engine_config, spec=spec or SpecConfig()))
         prompts = [llm.chat_prompt(m) for m in messages]
@@ -179,6 +195,9 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
                 else:
                     row = measure(llm, prompts, list(schemas), key[0], args.max_tokens, key[1], args.batch_size)
                 runs[key].append(row)
+        if args.host_profile:  # one more constrained run with overlap, untimed, under the profiler
+            profiles[label] = host_profile(lambda: measure(llm, prompts, list(schemas), True, args.max_tokens, True,
+                                                           args.batch_size))
         llm.close()  # the next configuration's engine gets the whole device
         for key in (ROWS[0], SAME_LENGTHS, *ROWS[1:]):
             row = {"config": label, **_median_run(runs[key])}
@@ -208,5 +227,7 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
                                          "from running it)"},
         "results": rows,
     }
+    if profiles:
+        report["host_profiles"] = profiles
     print(f"wrote {write_report(report, args.out or DEFAULT_OUT)}")
     return report

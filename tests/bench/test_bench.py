@@ -232,3 +232,19 @@ def test_structured_bench_keeps_its_concurrency_and_takes_a_random_head(tiny_cha
     assert max(in_flight) == 2 and in_flight[0] == 2
     assert len(row["lengths"]) == 3 and row["output_tokens"] >= 3 and 0.0 <= row["valid_share"] <= 1.0
     assert not llm.engine.has_work()
+
+
+def test_the_structured_bench_host_profile_ranks_functions_by_their_own_time():
+    import time
+
+    from specserve.bench.structured import host_profile
+
+    def slow():
+        time.sleep(0.05)
+
+    def run():
+        slow()
+        return sum(range(1000))
+    rows = host_profile(run, top=5)
+    assert len(rows) <= 5 and rows[0]["function"].endswith("(<built-in method time.sleep>)")
+    assert [r["own_seconds"] for r in rows] == sorted((r["own_seconds"] for r in rows), reverse=True)
