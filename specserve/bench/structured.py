@@ -183,15 +183,14 @@ def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) 
         runs = {key: [] for key in (*ROWS, SAME_LENGTHS)}
         for r in range(args.repeats):
             # Free text once; the constrained pair and the free text of their lengths take turns in an order
-            # that alternates, so the machine's drift favours none.
+            # that alternates, so the machine's drift favours none. The first turn runs a constrained row
+            # before the same-lengths one, which takes its lengths.
             turn = (*ROWS[1:], SAME_LENGTHS) if r % 2 == 0 else (SAME_LENGTHS, *ROWS[:0:-1])
-            for key in ((ROWS[0], ROWS[1]) if r == 0 else ()) + turn:
+            for key in ((ROWS[0],) if r == 0 else ()) + turn:
                 if key == SAME_LENGTHS:
                     # overlap on, as the constrained rows' best
                     row = measure(llm, prompts, list(schemas), False, args.max_tokens, True, args.batch_size,
                                   runs[ROWS[1]][0]["lengths"])
-                elif r == 0 and key == ROWS[1] and runs[key]:
-                    continue  # measured first, for its lengths
                 else:
                     row = measure(llm, prompts, list(schemas), key[0], args.max_tokens, key[1], args.batch_size)
                 runs[key].append(row)

@@ -61,6 +61,20 @@ def _run_share(jobs: Sequence[Callable[[], T]]) -> list[T]:
     return [job() for job in jobs]
 
 
+class QueuedWork:
+    """Marks what the device has been given so far; `done` says whether it has finished it (on a CPU, whose
+    ops run as they are called, always)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+
 @dataclass
 class MaskTiming:
     """Steps with constrained rows, and those whose masks were ready before the device finished."""
@@ -123,8 +137,7 @@ class StepMasks:
         self._timing = timing
         self.deferred = deferred
         self._masks: dict[int, torch.Tensor] | None = None
-        self._event = None  # CUDA: recorded after the forward
-        self._forward_queued = False
+        self._forward: QueuedWork | None = None  # marked once the forward is queued
         self._ready_first = False
         self._counted = False
         self._job = MaskJob(self._build, None if deferred else worker)
@@ -144,11 +157,7 @@ class StepMasks:
 
     def forward_queued(self, device: torch.device) -> None:
         """The step's forward and logits are queued: the device is busy with them from here."""
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._event = event
-        self._forward_queued = True
+        self._forward = QueuedWork(device)
 
     def result(self) -> dict[int, torch.Tensor]:
         """The masks by sequence index; the step's one wait for the host's side."""
@@ -174,9 +183,8 @@ class StepMasks:
         self._ready_first = not self._device_done()
 
     def _device_done(self) -> bool:
-        if not self._forward_queued:
-            return False  # still being queued (or, on a CPU, still running)
-        return self._event is None or self._event.query()
+        # Not yet marked: still being queued (or, on a CPU, still running).
+        return self._forward is not None and self._forward.done()
 
 
 def _next_mask(grammar) -> torch.Tensor:

@@ -134,6 +134,7 @@ def test_a_draft_level_keeps_to_the_grammar_of_its_verify_row(row):
     """`_grammar_level` reads each sequence's verify row `row` (the grammar after the drafts before the level)
     through the draft-to-target map: the head's best draft is one the grammar allows; a sequence that allows
     none of the head's tokens, and one without a grammar (all allowed), keep their logits."""
+    import functools
     import types
 
     import torch
@@ -152,6 +153,7 @@ def test_a_draft_level_keeps_to_the_grammar_of_its_verify_row(row):
     words = (allowed.view(bs * rows, -1, 32).long() << torch.arange(32)).sum(-1)
     program = types.SimpleNamespace(grammar_masks=words.to(torch.int32), mask_rows=rows,
                                     _draft_to_target=draft_to_target)
+    program._forbid_drafts = functools.partial(SpecGraphs._forbid_drafts, program)
     logits = torch.randn(bs, len(draft_to_target))
     out = SpecGraphs._grammar_level(program, bs, logits, row)
     assert out[0].argmax().item() in (1, 4) and (out[0, [0, 2, 3, 5, 6, 7]] < -1000).all()

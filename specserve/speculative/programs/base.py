@@ -26,7 +26,7 @@ from specserve.layers.attention import AttentionMetadata
 from specserve.sampling.grammar_mask import allowed_drafts, allowed_tokens
 from specserve.speculative.drafters.base import eagle3_catch_up
 from specserve.speculative.simulate import draw_num_accepted
-from specserve.structured.step_masks import run_jobs
+from specserve.structured.step_masks import QueuedWork, run_jobs
 
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SpecGraphs(abc.ABC):
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # per graph: its packed tokens and counts
         self.graph_pool = None  # the memory pool the graphs share (a later capture joins it)
         # Grammar masks of the verify rows (`_constrained_step`), allocated at the first such step, and per
-        # shape its parts as graph replays: (the draft parts', the verification's).
+        # shape its parts as graph replays: (the draft parts, the verify forward, the masked acceptance).
         self.grammar_masks: torch.Tensor | None = None
         self._host_level: torch.Tensor | None = None
         self._draft_to_target: torch.Tensor | None = None  # every draft id's target id
@@ -387,9 +387,9 @@ class SpecGraphs(abc.ABC):
             if level < len(parts):
                 self._fill_level(seqs, bs, level, drafts)
         forward()
-        finished = _Finished(self.device)
+        verify_forward = QueuedWork(self.device)
         self._fill_masks(seqs, bs, drafts)
-        self.masks_ready_first = not finished()
+        self.masks_ready_first = not verify_forward.done()
         self.num_masked_runs += 1
         return accept()
 
@@ -420,7 +420,6 @@ class SpecGraphs(abc.ABC):
         """One size for every grammar of an engine (the model's vocabulary)."""
         shape = (self.max_bs * self.mask_rows, words)
         self.grammar_masks = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        # Rewritten once the drafts before it are read back, when the last copy from it is done.
         self._host_level = torch.empty(self.max_bs, words, dtype=torch.int32,
                                        pin_memory=self.device.type == "cuda")
         self._draft_to_target = self.head.to_target_ids(torch.arange(len(self.head.d2t), device=self.device))
@@ -430,7 +429,11 @@ class SpecGraphs(abc.ABC):
         forbids there pushed far down: its verify row `row`'s mask (the grammar after the root and the drafts
         before the level), read through the draft-to-target map. A large finite penalty rather than -inf keeps
         a tree's cumulative scores finite where a row allows fewer than top-k tokens."""
-        masks = self.grammar_masks[row: bs * self.mask_rows: self.mask_rows]
+        return self._forbid_drafts(logits, self.grammar_masks[row: bs * self.mask_rows: self.mask_rows])
+
+    def _forbid_drafts(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """The head's logits [rows, draft vocabulary] with the tokens each row's mask [rows, words] forbids
+        pushed down to FORBIDDEN_DRAFT, read through the draft-to-target map."""
         return logits.masked_fill(~allowed_drafts(masks, self._draft_to_target), FORBIDDEN_DRAFT)
 
     @abc.abstractmethod
@@ -446,12 +449,21 @@ class SpecGraphs(abc.ABC):
         """Verify row `row` of every sequence alone (the mask of draft level `row`: the grammar after the root
         and the first `row` drafts), for a draft part; a sequence without a grammar, or with fewer than `row`
         drafts scheduled (the row never decides), allows everything."""
-        host = self._host_level[:bs].fill_(-1)
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and row <= seq.num_draft_tokens]
-        masks = run_jobs([functools.partial(seqs[i].grammar.path_masks, [drafts[i][:row]]) for i in rows])
-        for i, mask in zip(rows, masks):
-            host[i] = mask[0]
-        self.grammar_masks[row: bs * self.mask_rows: self.mask_rows].copy_(host, non_blocking=True)
+        jobs = {i: functools.partial(seq.grammar.path_masks, [drafts[i][:row]]) for i, seq in enumerate(seqs)
+                if seq.grammar is not None and row <= seq.num_draft_tokens}
+        self._fill_rows(self._host_level[:bs], self.grammar_masks[row: bs * self.mask_rows: self.mask_rows], 1, jobs)
+
+    @staticmethod
+    def _fill_rows(host: torch.Tensor, device_rows: torch.Tensor, per_seq: int,
+                   jobs: dict[int, Callable[[], torch.Tensor]]) -> None:
+        """Sequence i's `per_seq` mask rows of `host` from jobs[i] (built on host threads, `run_jobs`), every row
+        of a sequence without a job allowing everything; then copied to `device_rows` behind the device's work.
+        `host` (pinned on a GPU) is rewritten only once the drafts before it are read back, so the last copy
+        from it is done."""
+        host.fill_(-1)
+        for i, masks in zip(jobs, run_jobs(list(jobs.values()))):
+            host[i * per_seq: (i + 1) * per_seq] = masks
+        device_rows.copy_(host, non_blocking=True)
 
     def _masked_graphs(self, bs: int, n: int) -> tuple | None:
         """`_masked_parts` at this shape as graph replays, captured now if this is its first constrained step;
@@ -548,19 +560,6 @@ def table_slots(table: torch.Tensor, positions: torch.Tensor, page_size: int) ->
     past it."""
     page = (positions // page_size).clamp(max=table.shape[1] - 1)
     return table.gather(1, page).long() * page_size + positions % page_size
-
-
-class _Finished:
-    """Whether the device has finished what was queued before this was made (a CPU: always, its ops ran)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._event = None
-        if device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def __call__(self) -> bool:
-        return self._event is None or self._event.query()
 
 
 def _replay(graph: torch.cuda.CUDAGraph, out):

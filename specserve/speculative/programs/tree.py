@@ -36,7 +36,6 @@ import torch
 from specserve import envs
 from specserve.speculative.accept import accept_tree_sampled
 from specserve.speculative.programs.base import (
-    FORBIDDEN_DRAFT,
     ProgramSetup,
     SpecGraphs,
     pack_tokens,
@@ -45,10 +44,8 @@ from specserve.speculative.programs.base import (
     table_slots,
 )
 from specserve.layers.attention import AttentionMetadata
-from specserve.sampling.grammar_mask import allowed_drafts
 from specserve.sampling.sampler import argmax, filtered_probs, race
 from specserve.speculative.search import search_depth
-from specserve.structured.step_masks import run_jobs
 from specserve.transfer import tensor_on
 
 
@@ -310,23 +307,15 @@ class TreeGraphs(SpecGraphs):
         if level == 0:
             return super()._fill_level(seqs, bs, level, drafts)
         k = self.topk
-        host = self._host_fed[: bs * k].fill_(-1)
-        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        for i, masks in zip(constrained, run_jobs([partial(seqs[i].grammar.path_masks, drafts[i])
-                                                   for i in constrained])):
-            host[i * k: (i + 1) * k] = masks
-        self.fed_masks[: bs * k].copy_(host, non_blocking=True)
+        jobs = {i: partial(seq.grammar.path_masks, drafts[i]) for i, seq in enumerate(seqs) if seq.grammar is not None}
+        self._fill_rows(self._host_fed[: bs * k], self.fed_masks[: bs * k], k, jobs)
 
     def _fill_masks(self, seqs, bs: int, drafts: list) -> None:
         """Each constrained sequence's verify rows, per node of its tree (xgrammar's draft-tree traversal);
         nodes past the scheduled drafts never decide."""
         rows = self.mask_rows
-        host = self._host_masks[: bs * rows].fill_(-1)
-        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        for i, masks in zip(constrained, run_jobs([partial(seqs[i].grammar.tree_masks, *drafts[i])
-                                                   for i in constrained])):
-            host[i * rows: (i + 1) * rows] = masks
-        self.grammar_masks[: bs * rows].copy_(host, non_blocking=True)
+        jobs = {i: partial(seq.grammar.tree_masks, *drafts[i]) for i, seq in enumerate(seqs) if seq.grammar is not None}
+        self._fill_rows(self._host_masks[: bs * rows], self.grammar_masks[: bs * rows], rows, jobs)
 
     def _drafts_on_host(self, drafts, b: int) -> list:
         """A level's fed paths ([b][k][level] target ids), or the selected trees' (tokens, parents)."""
@@ -395,8 +384,7 @@ class TreeGraphs(SpecGraphs):
                    tokens)
         logits = head.compute_logits(out)
         if masked:
-            logits = logits.masked_fill(~allowed_drafts(self.fed_masks[: bs * k], self._draft_to_target),
-                                        FORBIDDEN_DRAFT)
+            logits = self._forbid_drafts(logits, self.fed_masks[: bs * k])
         return (out, *log_softmax_topk(logits, k))
 
     def _search_fused(self, bs: int, n: int, rows: dict, state: torch.Tensor, values: torch.Tensor,
