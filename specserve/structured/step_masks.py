@@ -32,8 +32,8 @@ import torch
 
 T = TypeVar("T")
 
-# Below this many jobs, handing them to threads costs more than running them (a mask fill takes ~20 us
-# outside strings, up to milliseconds inside a length-bounded one).
+# Below this many jobs, handing them to threads costs more than running them: most mask fills are short,
+# and only a batch gathers enough of them (or a few long ones, inside length-bounded strings) to pay.
 PARALLEL_MIN_JOBS = 8
 _FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))
 _fill_pool: ThreadPoolExecutor | None = None
