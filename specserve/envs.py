@@ -66,6 +66,12 @@ class Switches:
     fused_moe: bool = _switch(
         True, "MoE layers on a GPU in Triton: routing, the pairs' layout, the expert GEMMs and the weighted "
               "sum. Off: the PyTorch forms (inside CUDA graphs each pair then gathers its expert's weights).")
+    moe_pair_gemv: bool = _switch(
+        True, "MoE layers of a few rows on a GPU (decode) as one GEMV per token-expert pair, the routing and the "
+              "weighted sum inside them. Off: the grouped GEMMs at every size.")
+    moe_gemv_tiles: str = _switch(
+        "", "The pair GEMVs' tiles, `block_n,block_k,warps;block_n,block_k,warps` (gate-up; down-sum), for "
+            "benchmarks that sweep them. Empty: the defaults of kernels/triton/moe_decode.py.")
     closed_tails: bool = _switch(
         True, "A verified tree's tails attended as one block, each row masked to its own path. Off: each "
               "row's tail apart.")

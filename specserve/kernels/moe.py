@@ -7,11 +7,13 @@ routed to it: its weights are read once per call, however many rows chose it, wh
 steps (few rows, many experts) are bound by.
 
 On a GPU (CUDA tensors, no autograd) a call takes the grouped GEMMs of kernels/triton/fused_moe.py, which
-need no host sync and so run inside CUDA graphs too. Elsewhere it takes the PyTorch form.
+need no host sync and so run inside CUDA graphs too; at decode's few rows, the per-pair GEMVs of
+kernels/triton/moe_decode.py instead (`PAIR_GEMV_TOKENS`). Elsewhere it takes the PyTorch form.
 """
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +21,43 @@ import torch.nn.functional as F
 from specserve import envs
 from specserve.kernels import pointwise
 
+# Steps of at most this many rows take the per-pair GEMVs: while few rows share an expert, dropping the layout
+# and sum launches outweighs reading a shared expert once per row (benchmarks/fused_moe.py measures both).
+PAIR_GEMV_TOKENS = 4
+
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], topk_weights [T, k] (fp32), topk_ids [T, k] -> [T, H] in x's dtype: for each token,
-    sum over its k experts e of weight * w2[e] @ silu_and_mul(w13[e] @ x)."""
-    gpu = _triton_moe() if x.is_cuda and not torch.is_grad_enabled() else None
-    if gpu is not None and x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1:
-        return gpu.moe_routing.weighted_sum(gpu.expert_outputs(x, w13, w2, topk_ids), topk_weights, x.dtype)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return gathered_experts(x, w13, w2, topk_weights, topk_ids)
-    return eager_fused_experts(x, w13, w2, topk_weights, topk_ids)
+    sum over its k experts e of weight * w2[e] @ silu_and_mul(w13[e] @ x), plus `add` [T, H] where given."""
+    gpu = _gpu_form(x, w13, w2)
+    if gpu is not None and _pair_gemvs(x):
+        gate_up, down = gpu.moe_decode.tiles(envs.get().moe_gemv_tiles)
+        act, _, _ = gpu.moe_decode.gate_up(x, w13, topk_ids.shape[1], topk_ids=topk_ids, tile=gate_up)
+        return gpu.moe_decode.down_sum(act, w2, topk_ids, topk_weights, x.dtype, add, tile=down)
+    if gpu is not None:
+        out = gpu.moe_routing.weighted_sum(gpu.fused_moe.expert_outputs(x, w13, w2, topk_ids), topk_weights, x.dtype)
+    elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+        out = gathered_experts(x, w13, w2, topk_weights, topk_ids)
+    else:
+        out = eager_fused_experts(x, w13, w2, topk_weights, topk_ids)
+    return out if add is None else out + add
+
+
+def softmax_routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                           top_k: int, renormalize: bool,
+                           add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_experts` with the experts chosen by `softmax_topk` of the router's logits [T, E]. Returns (the
+    output [T, H], the expert ids [T, k]). At decode's few rows on a GPU the routing runs inside the first GEMV's
+    programs, so a MoE layer is two launches."""
+    gpu = _gpu_form(x, w13, w2)
+    if gpu is not None and _pair_gemvs(x) and router_logits.stride(-1) == 1:
+        gate_up, down = gpu.moe_decode.tiles(envs.get().moe_gemv_tiles)
+        act, ids, weights = gpu.moe_decode.gate_up(x, w13, top_k, router_logits=router_logits,
+                                                   renormalize=renormalize, tile=gate_up)
+        return gpu.moe_decode.down_sum(act, w2, ids, weights, x.dtype, add, tile=down), ids
+    weights, ids = softmax_topk(router_logits, top_k, renormalize)
+    return fused_experts(x, w13, w2, weights, ids, add), ids
 
 
 def eager_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -78,6 +106,17 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+def _pair_gemvs(x: torch.Tensor) -> bool:
+    return x.shape[0] <= PAIR_GEMV_TOKENS and envs.get().moe_pair_gemv
+
+
+def _gpu_form(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+    """The Triton kernels' module where they take this call, else None."""
+    if not x.is_cuda or torch.is_grad_enabled() or not x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1:
+        return None
+    return _triton_moe()
+
+
 def _triton_moe():
     return _triton_moe_module() if envs.get().fused_moe else None
 
@@ -85,10 +124,10 @@ def _triton_moe():
 @functools.cache
 def _triton_moe_module():
     try:  # imported at the first GPU call: CPU-only runs never load Triton
-        from specserve.kernels.triton import fused_moe
+        from specserve.kernels.triton import fused_moe, moe_decode, moe_routing
     except ImportError:
         return None
-    return fused_moe
+    return types.SimpleNamespace(fused_moe=fused_moe, moe_decode=moe_decode, moe_routing=moe_routing)
 
 
 def _weighted_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -49,6 +49,15 @@ class FusedExperts(nn.Module):
             self.touched.add(topk_ids)
         return moe.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
 
+    def softmax_routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                       add: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` with the experts and weights of `softmax_topk(router_logits, top_k, renormalize)`, plus
+        `add` [T, H] where given; at decode sizes on a GPU the routing and the add fold into the expert kernels."""
+        out, ids = moe.softmax_routed_experts(x, router_logits, self.w13, self.w2, top_k, renormalize, add)
+        if self.touched is not None:
+            self.touched.add(ids)
+        return out
+
 
 _BUILDING: list[ExpertCounts] = []  # the counts that FusedExperts built now report to (`ExpertCounts.building`)
 

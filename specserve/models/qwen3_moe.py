@@ -12,7 +12,7 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.distributed.parallel import SINGLE, TensorParallel
 from specserve.layers.linear import Linear
-from specserve.layers.moe import FusedExperts, softmax_topk
+from specserve.layers.moe import FusedExperts
 from specserve.layers.norm import RMSNorm
 from specserve.models.llama import AttentionForm, DecoderLayer
 from specserve.models.qwen3 import Qwen3ForCausalLM
@@ -33,8 +33,9 @@ class SparseMoeBlock(nn.Module):
         """experts(norm(x)) + add, as the dense MLP is called; norm and add are optional."""
         if norm is not None:
             x = norm(x)
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = self.tp.all_reduce(self.experts(x, weights, ids))
+        if self.tp.size == 1:  # the add folds into the experts' sum
+            return self.experts.softmax_routed(x, self.gate(x), self.top_k, self.norm_topk_prob, add)
+        out = self.tp.all_reduce(self.experts.softmax_routed(x, self.gate(x), self.top_k, self.norm_topk_prob))
         return out if add is None else out + add
 
 

@@ -23,3 +23,24 @@ def test_fused_moe_kernel_compiles_for_sm90(gated, block_m):
     signature = {name: "constexpr" if name in constants else types[name] for name in _expert_gemm_kernel.arg_names}
     compiled = triton.compile(ASTSource(_expert_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in compiled.asm
+
+
+@pytest.mark.parametrize("kernel,route", [("_gate_up_kernel", True), ("_gate_up_kernel", False),
+                                          ("_down_sum_kernel", False)])
+def test_moe_decode_gemvs_compile_for_sm90(kernel, route):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specserve.kernels.triton import moe_decode
+
+    fn = getattr(moe_decode, kernel)
+    tile = moe_decode.DEFAULT_TILES[0 if kernel == "_gate_up_kernel" else 1]
+    # Qwen3-30B-A3B's expert shapes, with PDL as a Hopper launch takes it.
+    constants = dict(I=768, H=2048, TOPK=8, E=128, E_POW2=128, ROUTE=route, RENORMALIZE=True, ADD=True,
+                     BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=True)
+    pointers = dict(X="*bf16", W13="*bf16", W2="*bf16", ACT="*bf16", OUT="*bf16", RES="*bf16", IDS="*i64",
+                    WEIGHTS="*fp32", LOGITS="*bf16")
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+    constants = {name: value for name, value in constants.items() if name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm

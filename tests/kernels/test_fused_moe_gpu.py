@@ -84,3 +84,45 @@ def test_routing_kernels_match_their_pytorch_forms(tokens, experts, k):
     pair_out = torch.randn(tokens * k, 2048, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(moe_routing.weighted_sum(pair_out, weights, torch.bfloat16),
                                _weighted_sum(pair_out, weights, torch.bfloat16), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("experts,k,inter", [(128, 8, 768), (64, 6, 1408)])  # Qwen3-30B-A3B's, Moonlight's
+def test_softmax_routed_experts_match_routing_then_the_pytorch_form(tokens, experts, k, inter):
+    # At decode sizes the routing runs inside the first expert GEMV and the residual add in the sum.
+    from specserve.kernels.moe import PAIR_GEMV_TOKENS, eager_fused_experts, softmax_routed_experts
+    from specserve.layers.moe import softmax_topk
+
+    assert tokens <= PAIR_GEMV_TOKENS
+    w13, w2 = _layer(experts=experts, inter=inter)
+    x, add = (torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16) * 2
+    with torch.no_grad():
+        out, ids = softmax_routed_experts(x, logits, w13, w2, k, renormalize=True, add=add)
+        weights, ref_ids = softmax_topk(logits, k, renormalize=True)
+        ref = eager_fused_experts(x, w13, w2, weights, ref_ids) + add
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
+
+
+def test_softmax_routed_experts_replay_in_a_cuda_graph_with_new_logits():
+    from specserve.kernels.moe import eager_fused_experts, softmax_routed_experts
+    from specserve.layers.moe import softmax_topk
+
+    w13, w2 = _layer()
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(1, 128, device="cuda") * 2
+    with torch.no_grad():
+        softmax_routed_experts(x, logits, w13, w2, 8, renormalize=True)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, ids = softmax_routed_experts(x, logits, w13, w2, 8, renormalize=True)
+        for seed in range(3):
+            torch.manual_seed(seed)
+            x.copy_(torch.randn_like(x))
+            logits.copy_(torch.randn_like(logits) * 2)
+            graph.replay()
+            weights, ref_ids = softmax_topk(logits, 8, renormalize=True)
+            assert torch.equal(ids, ref_ids)
+            ref = eager_fused_experts(x, w13, w2, weights, ref_ids)
+            torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -112,6 +112,40 @@ def test_fused_moe_in_the_interpreter_matches_the_pytorch_form():
     _run_in_interpreter(_FUSED_MOE_IN_INTERPRETER, timeout=600)
 
 
+_MOE_DECODE_IN_INTERPRETER = """
+from specserve.kernels.moe import eager_fused_experts
+from specserve.kernels.triton import moe_decode
+from specserve.kernels.triton.moe_decode import GemvTile
+from specserve.layers.moe import softmax_topk
+torch.manual_seed(0)
+for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
+    # Widths that are not multiples of the tiles; k not a power of two; an expert two tokens share.
+    for tokens, k, experts, hidden, inter in ((1, 8, 16, 96, 40), (3, 6, 12, 64, 48), (4, 2, 3, 80, 24)):
+        w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype)
+        x, add = torch.randn(tokens, hidden).to(dtype), torch.randn(tokens, hidden).to(dtype)
+        logits = torch.randn(tokens, experts) * 2
+        tiles = (GemvTile(16, 32, 4), GemvTile(32, 16, 4))
+        for renormalize in (True, False):
+            weights, ids = softmax_topk(logits, k, renormalize)
+            reference = eager_fused_experts(x, w13, w2, weights, ids)
+            act, routed_ids, routed_weights = moe_decode.gate_up(x, w13, k, router_logits=logits,
+                                                                  renormalize=renormalize, tile=tiles[0])
+            assert torch.equal(routed_ids, ids)
+            torch.testing.assert_close(routed_weights, weights)
+            out = moe_decode.down_sum(act, w2, routed_ids, routed_weights, dtype, tile=tiles[1])
+            torch.testing.assert_close(out.float(), reference.float(), atol=tolerance, rtol=tolerance)
+        act, _, _ = moe_decode.gate_up(x, w13, k, topk_ids=ids, tile=tiles[1])
+        out = moe_decode.down_sum(act, w2, ids, weights, dtype, add=add, tile=tiles[0])
+        torch.testing.assert_close(out.float(), (reference + add).float(), atol=tolerance, rtol=tolerance)
+"""
+
+
+def test_moe_decode_gemvs_in_the_interpreter_match_the_pytorch_form():
+    # Routed in the kernel (softmax top-k, renormalised or not) or from given ids; the sum with the residual.
+    _run_in_interpreter(_MOE_DECODE_IN_INTERPRETER, timeout=600)
+
+
 _FP8_GEMV_IN_INTERPRETER = """
 from gemv_checks import ATOL, RTOL, fp8_forms, interpreter_range
 from specserve.kernels.triton import gemv as triton_gemv
