@@ -22,6 +22,8 @@
 #               structured_general: batch 1 with constrained rows on the general path, for the programs' worth
 #   bursty_a, bursty_b  (only when named) issue 47's bursty trace through the server, 8B shape, random head at
 #               simulated tau 3 (TOKENIZER_DIR): plain and static chains 1/3/5; SGLang's tiers and the adaptive plans
+#   moespec     (only when named) issue 46's speculation on a MoE shape: plain, chain and tree at simulated tau 1
+#               and 3 / 4, and the goodput plan, at C = 1, 10, 100, 250 (MOESPEC_MODEL, MOESPEC_TAG, MOESPEC_WAVES)
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
@@ -30,7 +32,7 @@
 # Usage: OUT=dir bash benchmarks/gpu_h200.sh [tests | tests1 | tests2] [decode] [sweep] [specsweep | chainsweep | treesweep]
 #        [adaptsweep | chainadapt | treeadapt] [policy3 | policy3a | policy3b] [policy1] [structured] [structured_general] [tp1]
 #        [bursty_a] [bursty_b]
-#        [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [prefix]
+#        [tax] [fp8head] [smol] [gemv_ab] [agreement] [moe] [moespec] [prefix]
 #        [decisions]
 #        (none: all but decisions, structured, bursty and tp1)
 #        WAVES_MODEL=qwen3-30b-a3b WAVES_TAG=qwen3_30b SWEEP_LOW=1 SWEEP_HIGH=10,30,100,250: the MoE waves
@@ -214,6 +216,35 @@ if want moe; then
   done
   python3 benchmarks/spec_off_tax.py --model-path qwen3-30b-a3b --batch-sizes 1 16 64 --output-len 64 --profile \
     --setups plain "EAGLE-3 chain 3, simulated tau 3" --out "$OUT/spec_qwen3_30b_a3b_chain_h200.json"
+fi
+# Issue 46's speculation on a MoE shape (MOESPEC_MODEL, default the Qwen3-30B-A3B shape; MOESPEC_TAG names
+# the file), one call: waves of MOESPEC_WAVES x C requests at C = 1, 10, 100, 250 for plain, the static chain of 3
+# and tree 4/5/16 at simulated tau 1 and 3 / 4, and the goodput plan configured for the tree at tau 4 and 1.
+if [[ $modes == *" moespec "* ]]; then  # only when named
+  model=${MOESPEC_MODEL:-qwen3-30b-a3b}
+  waves_moe=(--device cuda --model-path "$model" --load-format dummy --dtype bfloat16 --context-length 2048
+             --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
+             --ignore-eos --quiet --concurrency 1,10,100,250 --waves "${MOESPEC_WAVES:-2}")
+  file="$OUT/moespec_${MOESPEC_TAG:-qwen3_30b}.jsonl"
+  rm -f "$file"
+  moespec() {  # LABEL FLAGS...
+    local label=$1; shift
+    python3 -m specserve.cli bench "${waves_moe[@]}" "$@" --label "$label" --out "$OUT/moespec_part.jsonl" \
+      && cat "$OUT/moespec_part.jsonl" >> "$file"
+  }
+  chain_at() { echo --speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-simulate-accept-len "$1"; }
+  tree_at() {
+    echo --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4 \
+      --speculative-num-draft-tokens 16 --speculative-simulate-accept-len "$1"
+  }
+  moespec "plain"
+  moespec "chain 3 (simulated tau 1)" $(chain_at 1.0)
+  moespec "chain 3 (simulated tau 3)" $(chain_at 3.0)
+  moespec "tree 4/5/16 (simulated tau 1)" $(tree_at 1.0)
+  moespec "tree 4/5/16 (simulated tau 4)" $(tree_at 4.0)
+  moespec "tree 4/5/16 goodput plan (simulated tau 4)" $(tree_at 4.0) "${goodput[@]}"
+  moespec "tree 4/5/16 goodput plan (simulated tau 1)" $(tree_at 1.0) "${goodput[@]}"
+  rm -f "$OUT"/moespec_part.*
 fi
 if want prefix; then
   python3 benchmarks/prefix_cache_shared_system.py --model-path llama-3.1-8b --load-format dummy --device cuda \

@@ -42,6 +42,8 @@ def levels(args: argparse.Namespace) -> list[tuple[str, float]]:
 def num_requests(args: argparse.Namespace, kind: str, value: float) -> int:
     if args.num_prompts:
         return args.num_prompts
+    if getattr(args, "waves", None) and kind == "concurrency":
+        return args.waves * int(value)
     return max(50, 4 * int(value)) if kind == "concurrency" else max(50, int(20 * value))
 
 
@@ -177,6 +179,7 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
                       "engine_config": dataclasses.asdict(engine_config), kind: value, "simulated_accept_len": simulated,
                       **summarize(results, duration), "step_ms": timer.per_step_ms(), "num_steps": timer.steps,
                       "step_kinds": timer.step_kinds()}
+            record["kv_pool"] = _kv_pool(llm.engine.stats(), engine_config.cache.page_size)
             if hasattr(llm.engine.observer, "snapshot"):
                 record["plan"] = llm.engine.observer.snapshot()
             record["acceptance_simulated"] = simulated is not None
@@ -189,6 +192,13 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
                   flush=True)
     _finish(records, out, f"{llm.model_info.name} offline — {args.dataset}")
     return records
+
+
+def _kv_pool(stats, page_size: int) -> dict:
+    """The KV pool: the tokens it holds, the bytes the target keeps a token (MLA: its latent), and the pages
+    still used after the wave (by the prefix cache's pages only, where it is on)."""
+    return {"tokens": stats.pages_total * page_size, "target_bytes_per_token": stats.kv_bytes_per_token,
+            "pages_used_after_wave": stats.pages_used, "prefix_cached_pages": stats.prefix_cached_pages}
 
 
 def _tokenize(llm, prompt: BenchPrompt) -> list[int]:

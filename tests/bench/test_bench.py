@@ -102,14 +102,15 @@ def test_a_dead_server_or_bad_url_is_one_clear_line(url):
 def test_offline_mode_reports_the_step_breakdown(tiny_chat_model, tmp_path):
     out = tmp_path / "offline.jsonl"
     done = _bench("--offline", "--model", str(tiny_chat_model), "--max-total-tokens", "4096", "--concurrency", "1,3",
-                  "--num-prompts", "6", "--dataset", "random", "--random-input-len", "16", "--max-tokens", "12",
+                  "--waves", "2", "--dataset", "random", "--random-input-len", "16", "--max-tokens", "12",
                   "--ignore-eos", "--speculative-algorithm", "DRAFT_MODEL", "--speculative-draft-model-path",
                   str(tiny_chat_model), "--out", str(out))
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["concurrency"] for r in records] == [1, 3]
-    for r in records:
-        assert r["total_output_tokens"] == 6 * 12 and r["errors"] == 0
+    for r in records:  # --waves 2: twice C requests
+        assert r["total_output_tokens"] == 2 * r["concurrency"] * 12 and r["errors"] == 0
+        assert 4096 - 16 <= r["kv_pool"]["tokens"] <= 4096 and r["kv_pool"]["target_bytes_per_token"] > 0
         steps = r["step_ms"]
         assert set(steps) >= {"schedule", "draft", "prepare", "forward", "sample", "postprocess", "host_only"}
         assert steps["host_only"] == pytest.approx(steps["schedule"] + steps["prepare"] + steps["postprocess"])
