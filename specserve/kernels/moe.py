@@ -106,6 +106,37 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                 renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing ("noaux_tc") of the router's fp32 logits [T, E]: sigmoid scores; the per-expert
+    correction `bias` shifts which experts are chosen but not their weights; experts come only from the
+    `topk_group` of `n_group` groups whose two best biased scores sum highest; the chosen scores are
+    renormalised to sum to one and multiplied by `scale`. Returns (weights [T, k] fp32, expert ids [T, k] int64).
+    On a GPU one Triton launch, largest biased score first; elsewhere PyTorch, in no set order."""
+    gpu = _triton_moe() if router_logits.is_cuda and not torch.is_grad_enabled() else None
+    if gpu is not None and router_logits.stride(-1) == 1:
+        return gpu.moe_routing.grouped_topk(router_logits, bias, top_k, n_group, topk_group, renormalize, scale)
+    return eager_grouped_topk(router_logits, bias, top_k, n_group, topk_group, renormalize, scale)
+
+
+def eager_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                       renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grouped_topk` in PyTorch, the form the kernel is held to."""
+    scores = router_logits.sigmoid()
+    biased = scores + bias
+    if n_group > 1:
+        tokens, per_group = scores.shape[0], scores.shape[1] // n_group
+        group_scores = biased.view(tokens, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        best_groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = biased.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = biased.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def _pair_gemvs(x: torch.Tensor) -> bool:
     return x.shape[0] <= PAIR_GEMV_TOKENS and envs.get().moe_pair_gemv
 

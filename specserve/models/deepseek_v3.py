@@ -16,6 +16,7 @@ from torch import nn
 
 from specserve.config import ModelConfig, MoEConfig
 from specserve.distributed.parallel import SINGLE, TensorParallel
+from specserve.kernels import moe as moe_kernels
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.mla import MultiHeadLatentAttention
 from specserve.layers.moe import FusedExperts
@@ -52,25 +53,9 @@ class GroupedTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64) of x [T, H]."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
-        return grouped_topk(scores, self.e_score_correction_bias, self.moe)
-
-
-def grouped_topk(scores: torch.Tensor, bias: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chooses top_k experts of `scores` [T, E] by their biased scores, from the best `topk_group` of `n_group`
-    groups, and weighs them by their unbiased scores."""
-    biased = scores + bias
-    if moe.n_group > 1:
-        tokens, per_group = scores.shape[0], moe.num_experts // moe.n_group
-        group_scores = biased.view(tokens, moe.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        best_groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]
-        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-        biased = biased.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
-    ids = biased.topk(moe.top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if moe.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * moe.routed_scaling_factor, ids
+        cfg = self.moe
+        return moe_kernels.grouped_topk(F.linear(x.float(), self.weight), self.e_score_correction_bias, cfg.top_k,
+                                        cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 class DeepseekV3MoE(nn.Module):

@@ -44,3 +44,17 @@ def test_moe_decode_gemvs_compile_for_sm90(kernel, route):
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in compiled.asm
+
+
+def test_grouped_topk_kernel_compiles_for_sm90():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specserve.kernels.triton.moe_routing import _grouped_topk_kernel
+
+    # DeepSeek-V3's routing: 256 experts in 8 groups of 32, 4 groups, 8 experts.
+    constants = dict(PER_GROUP=32, N_GROUP=8, TOPK_GROUP=4, K=8, K_POW2=8, G_POW2=8, PER_POW2=32, RENORMALIZE=True)
+    types = dict(LOGITS="*fp32", BIAS="*fp32", WEIGHTS="*fp32", IDS="*i64", stride_l="i32", scale="fp32")
+    signature = {name: "constexpr" if name in constants else types[name] for name in _grouped_topk_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_grouped_topk_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm

@@ -126,3 +126,18 @@ def test_softmax_routed_experts_replay_in_a_cuda_graph_with_new_logits():
             assert torch.equal(ids, ref_ids)
             ref = eager_fused_experts(x, w13, w2, weights, ref_ids)
             torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("experts,n_group,topk_group,k", [(256, 8, 4, 8), (64, 1, 1, 6), (384, 1, 1, 8)])
+def test_grouped_topk_kernel_matches_the_pytorch_form(experts, n_group, topk_group, k):
+    # DeepSeek-V3's, Moonlight's and Kimi-K2's routing shapes.
+    from specserve.kernels.moe import eager_grouped_topk, grouped_topk
+
+    torch.manual_seed(experts)
+    logits, bias = torch.randn(33, experts, device="cuda") * 2, torch.randn(experts, device="cuda") * 0.1
+    with torch.no_grad():
+        weights, ids = grouped_topk(logits, bias, k, n_group, topk_group, True, 2.5)
+    ref_weights, ref_ids = eager_grouped_topk(logits, bias, k, n_group, topk_group, True, 2.5)
+    order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))

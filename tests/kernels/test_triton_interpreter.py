@@ -138,11 +138,24 @@ for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
         act, _, _ = moe_decode.gate_up(x, w13, k, topk_ids=ids, tile=tiles[1])
         out = moe_decode.down_sum(act, w2, ids, weights, dtype, add=add, tile=tiles[0])
         torch.testing.assert_close(out.float(), (reference + add).float(), atol=tolerance, rtol=tolerance)
+from specserve.kernels.moe import eager_grouped_topk
+from specserve.kernels.triton import moe_routing
+# DeepSeek-V3's 8 groups of 32 choosing 4 (k 8); Moonlight's one group of 64 (k 6); ties in the unbiased scores.
+for experts, n_group, topk_group, k in ((256, 8, 4, 8), (64, 1, 1, 6), (24, 4, 2, 3)):
+    logits, bias = torch.randn(9, experts) * 2, torch.randn(experts) * 0.1
+    logits[0, :4] = 1.0
+    for renormalize, scale in ((True, 2.5), (False, 1.0)):
+        weights, ids = moe_routing.grouped_topk(logits, bias, k, n_group, topk_group, renormalize, scale)
+        ref_weights, ref_ids = eager_grouped_topk(logits, bias, k, n_group, topk_group, renormalize, scale)
+        order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
+        assert torch.equal(order.values, ref_order.values)
+        torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))
 """
 
 
-def test_moe_decode_gemvs_in_the_interpreter_match_the_pytorch_form():
+def test_moe_decode_gemvs_and_grouped_routing_in_the_interpreter_match_the_pytorch_forms():
     # Routed in the kernel (softmax top-k, renormalised or not) or from given ids; the sum with the residual.
+    # DeepSeek-V3's grouped sigmoid top-k in one launch.
     _run_in_interpreter(_MOE_DECODE_IN_INTERPRETER, timeout=600)
 
 

@@ -1,5 +1,5 @@
 """The small steps around the expert GEMMs of kernels/triton/fused_moe.py, one launch each: softmax top-k
-routing, laying token-expert pairs out by expert, and the weighted sum of each token's expert outputs.
+routing, DeepSeek-V3's grouped sigmoid top-k, laying token-expert pairs out by expert, and the weighted sum of each token's expert outputs.
 
 In PyTorch these are a dozen tiny ops a layer (sort, scan, search, index, fill, ...). At decode sizes each op
 costs a launch's worth of device time, and together they cost more than reading the touched experts' weights.
@@ -46,6 +46,65 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if tokens:
         _softmax_topk_kernel[(tokens,)](router_logits, weights, ids, router_logits.stride(0), E=experts,
                                         E_POW2=triton.next_power_of_2(experts), K=top_k, RENORMALIZE=renormalize)
+    return weights, ids
+
+
+@triton.jit
+def _grouped_topk_kernel(LOGITS, BIAS, WEIGHTS, IDS, stride_l, scale, PER_GROUP: tl.constexpr,
+                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
+                         G_POW2: tl.constexpr, PER_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token: sigmoid scores of its router logits, held [group, expert in group]; the biased scores choose
+    the TOPK_GROUP groups whose two best sum highest, then the K best experts in those, largest first; weights
+    are the unbiased scores, renormalised and scaled."""
+    token = tl.program_id(0)
+    groups = tl.arange(0, G_POW2)
+    within = tl.arange(0, PER_POW2)
+    experts = groups[:, None] * PER_GROUP + within[None, :]
+    ok = (groups[:, None] < N_GROUP) & (within[None, :] < PER_GROUP)
+    logits = tl.load(LOGITS + token * stride_l + experts, mask=ok, other=0.0).to(tl.float32)
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    biased = tl.where(ok, scores + tl.load(BIAS + experts, mask=ok, other=0.0), -float("inf"))
+    if TOPK_GROUP < N_GROUP:
+        best = tl.argmax(biased, axis=1)
+        second = tl.max(tl.where(within[None, :] == best[:, None], -float("inf"), biased), axis=1)
+        group_scores = tl.where(groups < N_GROUP, tl.max(biased, axis=1) + second, -float("inf"))
+        allowed = groups < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            chosen = tl.argmax(group_scores, axis=0)
+            allowed = allowed | (groups == chosen)
+            group_scores = tl.where(groups == chosen, -float("inf"), group_scores)
+        biased = tl.where(allowed[:, None], biased, -float("inf"))
+    slots = tl.arange(0, K_POW2)
+    weights = tl.zeros([K_POW2], tl.float32)
+    ids = tl.zeros([K_POW2], tl.int64)
+    for j in tl.static_range(K):
+        group = tl.argmax(tl.max(biased, axis=1), axis=0)
+        member = tl.argmax(tl.max(tl.where(groups[:, None] == group, biased, -float("inf")), axis=0), axis=0)
+        expert = group * PER_GROUP + member
+        weight = tl.sum(tl.sum(tl.where(ok & (experts == expert), scores, 0.0), axis=1), axis=0)  # not a pad's
+        weights = tl.where(slots == j, weight, weights)
+        ids = tl.where(slots == j, expert.to(tl.int64), ids)
+        biased = tl.where(experts == expert, -float("inf"), biased)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    tl.store(WEIGHTS + token * K + slots, weights * scale, mask=slots < K)
+    tl.store(IDS + token * K + slots, ids, mask=slots < K)
+
+
+def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                 renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/moe.grouped_topk in one launch, from the router's logits [T, E] (before the sigmoid): (weights
+    [T, k] fp32, expert ids [T, k] int64), largest biased score first."""
+    tokens, experts = router_logits.shape
+    assert router_logits.stride(-1) == 1 and experts % n_group == 0
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    per_group = experts // n_group
+    if tokens:
+        _grouped_topk_kernel[(tokens,)](router_logits, bias, weights, ids, router_logits.stride(0), scale,
+                                        PER_GROUP=per_group, N_GROUP=n_group, TOPK_GROUP=topk_group, K=top_k,
+                                        K_POW2=triton.next_power_of_2(top_k), G_POW2=triton.next_power_of_2(n_group),
+                                        PER_POW2=triton.next_power_of_2(per_group), RENORMALIZE=renormalize)
     return weights, ids
 
 
