@@ -257,6 +257,9 @@ def run_decode_bench(engine_config: EngineConfig, args: argparse.Namespace) -> d
         row = {"batch_size": batch, "specserve": _median(ss_runs), "specserve_runs": ss_runs}
         if counts is not None:
             row["experts_touched"] = experts.summary(llm, counts)
+        if llm.model_info.model_cfg.moe is not None:
+            row["moe_bandwidth"] = experts.bandwidth_row(llm, batch, row["specserve"]["decode_tok_s"],
+                                                         row.get("experts_touched"))
         if hf is not None:
             row["hf"] = _median(hf_runs)
             row["hf_runs"] = hf_runs
@@ -312,6 +315,10 @@ def _print_row(row: dict) -> None:
     print(msg, flush=True)
     if "experts_touched" in row:
         print(f"  {experts.describe(row['experts_touched'])}", flush=True)
+    if "moe_bandwidth" in row:
+        bw = row["moe_bandwidth"]
+        print(f"  {bw['step_weight_bytes']['total'] / 1e9:.2f} GB of weights a step ({bw['distinct_experts_per_layer']} "
+              f"experts a layer, {bw['distinct_experts_from']}): {bw['weight_gb_per_s']} GB/s", flush=True)
 
 
 def _print_table(report: dict) -> None:

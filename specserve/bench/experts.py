@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 
+from torch import nn
+
 from specserve.config import EngineConfig
-from specserve.layers.moe import ExpertCounts
+from specserve.layers.moe import ExpertCounts, FusedExperts
 
 # What a report's `experts_touched` setting says: the module's second paragraph.
 NOTE = __doc__.split("\n\n")[1].replace("\n", " ")
@@ -54,3 +56,40 @@ def describe(touched: dict[str, dict]) -> str:
     return "distinct experts per MoE layer per step: " + ", ".join(
         f"{kind} {c['mean_distinct_experts_per_layer']:.2f} ({c['steps']} steps)" for kind, c in touched.items()
         if kind != "other")
+
+
+def uniform_distinct(num_experts: int, top_k: int, rows: int) -> float:
+    """The distinct experts `rows` tokens touch on average when each picks top_k of num_experts uniformly at
+    random (exact for one row: top_k)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
+
+
+def step_weight_bytes(model: nn.Module, distinct_per_layer: float) -> dict[str, int]:
+    """The weight bytes a decode step reads: every parameter but the routed experts and an untied embedding
+    table (a step reads one row of it), plus `distinct_per_layer` experts of each MoE layer."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    expert_params = {id(p) for m in experts for p in (m.w13, m.w2)}
+    embedding = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    lm_head = getattr(model, "lm_head", None)
+    skip = set(expert_params)
+    if embedding is not None and (lm_head is None or lm_head.weight is not embedding):
+        skip.add(id(embedding))
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    per_expert = sum((m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size() for m in experts[:1])
+    routed = round(distinct_per_layer * per_expert * len(experts))
+    return {"dense": dense, "routed_experts": routed, "total": dense + routed}
+
+
+def bandwidth_row(llm, batch: int, decode_tok_s: float, touched: dict | None) -> dict:
+    """For a MoE target: the weight bytes of a decode step of `batch` rows and the GB/s its step time gives
+    against them. The experts touched are the counted ones where `touched` has decode steps, else what uniform
+    routing gives (random weights route near-uniformly; exact at batch 1)."""
+    model = llm.engine.runner.model
+    moe = llm.model_info.model_cfg.moe
+    counted = (touched or {}).get("decode")
+    distinct = (counted["mean_distinct_experts_per_layer"] if counted
+                else uniform_distinct(moe.num_experts, moe.top_k, batch))
+    weights = step_weight_bytes(model, distinct)
+    return {"distinct_experts_per_layer": round(distinct, 2),
+            "distinct_experts_from": "counted" if counted else "uniform routing",
+            "step_weight_bytes": weights, "weight_gb_per_s": round(weights["total"] * decode_tok_s / batch / 1e9, 1)}

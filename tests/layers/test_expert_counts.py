@@ -103,3 +103,21 @@ def test_layers_built_outside_counting_carry_nothing():
     layer.touched.add(ids)
     assert counts.summary(layer) == {"decode": {"steps": 1, "layer_forwards": 1,
                                                 "mean_distinct_experts_per_layer": 2.0}}
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "deepseek-v3"])
+def test_a_steps_weight_bytes_are_the_dense_weights_and_the_touched_experts(kind, tiny_checkpoint):
+    engine, _ = build_engine_core(tight_config(str(tiny_checkpoint(kind)), 512), progress=False)
+    model = engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    embedding = model.embed_tokens.weight
+    untied = 0 if model.lm_head.weight is embedding else size(embedding)
+    unread = sum(size(m.w13) + size(m.w2) for m in layers) + untied
+    got = experts.step_weight_bytes(model, 2.5)
+    assert got["dense"] == sum(size(p) for p in model.parameters()) - unread
+    per_expert = (size(layers[0].w13) + size(layers[0].w2)) / layers[0].num_experts
+    assert got["routed_experts"] == round(2.5 * len(layers) * per_expert)
+    assert got["total"] == got["dense"] + got["routed_experts"]
+    assert experts.uniform_distinct(128, 8, 1) == pytest.approx(8)  # one token: exactly its k experts
+    assert experts.uniform_distinct(128, 8, 8) == pytest.approx(51.6, abs=0.05)
