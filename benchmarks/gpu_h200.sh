@@ -18,12 +18,13 @@
 #   moe         the MoE shapes (Qwen3-30B-A3B, Moonlight-16B-A3B; random bf16 weights route uniformly): decode at
 #               batch 1-32, and on the Qwen shape plain against a chain of 3 at simulated tau 3 (spec_off_tax.py)
 #   policy3     issue 47's shape-choice set at simulated tau 3 / 4 (policy3a, policy3b: its halves); policy1: at tau 1
-#   structured  (only when named) JSON-schema constraints on the 8B shape at batch 1 and 64 (TOKENIZER_DIR);
+#   structured  (only when named) JSON-schema constraints on the 8B shape at batch 1 and 64 (TOKENIZER_DIR;
+#               STRUCTURED_BATCH_SIZES="64": one of them);
 #               structured_general: batch 1 with constrained rows on the general path, for the programs' worth
 #   bursty_a, bursty_b  (only when named) issue 47's bursty trace through the server, 8B shape, random head at
 #               simulated tau 3 (TOKENIZER_DIR): plain and static chains 1/3/5; SGLang's tiers and the adaptive plans
 #   moespec     (only when named) issue 46's speculation on a MoE shape: plain, chain and tree at simulated tau 1
-#               and 3 / 4, and the goodput plan, at C = 1, 10, 100, 250 (MOESPEC_MODEL, MOESPEC_TAG, MOESPEC_WAVES)
+#               and 3 / 4, and the goodput plan, at C = 1, 10, 30, 100, 250 (MOESPEC_MODEL, MOESPEC_TAG, MOESPEC_WAVES)
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
@@ -151,7 +152,7 @@ structured() {  # TAG BATCH_SIZES...
   done
 }
 if [[ $modes == *" structured "* ]]; then  # only when named: it needs TOKENIZER_DIR
-  structured "" 1 64
+  structured "" ${STRUCTURED_BATCH_SIZES:-1 64}
 fi
 if [[ $modes == *" structured_general "* ]]; then
   (export SPECSERVE_PROGRAM_MASKS=0; structured _general 1)
@@ -218,13 +219,14 @@ if want moe; then
     --setups plain "EAGLE-3 chain 3, simulated tau 3" --out "$OUT/spec_qwen3_30b_a3b_chain_h200.json"
 fi
 # Issue 46's speculation on a MoE shape (MOESPEC_MODEL, default the Qwen3-30B-A3B shape; MOESPEC_TAG names
-# the file), one call: waves of MOESPEC_WAVES x C requests at C = 1, 10, 100, 250 for plain, the static chain of 3
-# and tree 4/5/16 at simulated tau 1 and 3 / 4, and the goodput plan configured for the tree at tau 4 and 1.
+# the file), one call: waves of MOESPEC_WAVES x C requests at C = 1, 10, 30, 100, 250 for plain, the static chain of 3
+# and tree 4/5/16 at simulated tau 1 and 3 / 4, and the goodput plan configured for the tree at tau 4 and 1
+# (C = 30 too: with plain, the waves of the issue's vLLM figures).
 if [[ $modes == *" moespec "* ]]; then  # only when named
   model=${MOESPEC_MODEL:-qwen3-30b-a3b}
   waves_moe=(--device cuda --model-path "$model" --load-format dummy --dtype bfloat16 --context-length 2048
              --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
-             --ignore-eos --quiet --concurrency 1,10,100,250 --waves "${MOESPEC_WAVES:-2}")
+             --ignore-eos --quiet --concurrency 1,10,30,100,250 --waves "${MOESPEC_WAVES:-2}")
   file="$OUT/moespec_${MOESPEC_TAG:-qwen3_30b}.jsonl"
   rm -f "$file"
   moespec() {  # LABEL FLAGS...
