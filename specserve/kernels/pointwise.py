@@ -47,15 +47,21 @@ def rotary(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: t
 
 
 def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+                 v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """Rotates q and k like `rotary` and writes the rotated k and v [T, Hkv, D] into kv_cache
-    [2, slots, Hkv, D] at `slot_mapping`. Returns the rotated (q, k)."""
+    [2, slots, Hkv, D] at `slot_mapping`. `qk_norm` (q's RMSNorm weight, k's, eps): each head of q and k is
+    normalised before the rotation (Qwen3). Returns the rotated (q, k)."""
     gpu = _gpu_kernels(positions)
     # The kernel reads unit-stride heads and copies k and v into the cache without converting them.
     if (gpu is not None and _half_power_of_two(q) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
             and k.dtype == v.dtype == kv_cache.dtype and kv_cache.stride(-1) == 1
-            and kv_cache.stride(-2) == kv_cache.shape[-1]):
-        return gpu.rotary_store(positions, cos_sin, q, k, v, kv_cache, slot_mapping)
+            and kv_cache.stride(-2) == kv_cache.shape[-1]
+            and (qk_norm is None or qk_norm[0].dtype == qk_norm[1].dtype == q.dtype == k.dtype)):
+        return gpu.rotary_store(positions, cos_sin, q, k, v, kv_cache, slot_mapping, qk_norm)
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     return _store(*rotary(positions, cos_sin, q, k), v, kv_cache, slot_mapping)
 
 

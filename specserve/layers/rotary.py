@@ -82,6 +82,9 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return pointwise.rotary(positions, self.cos_sin, q, k)
 
-    def rotate_and_store(self, positions, q, k, v, kv_cache, slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates q and k and writes the rotated k, and v, to their KV cache slots (one kernel on a GPU)."""
-        return pointwise.rotary_store(positions, self.cos_sin, q, k, v, kv_cache, slot_mapping)
+    def rotate_and_store(self, positions, q, k, v, kv_cache, slot_mapping,
+                         qk_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q and k and writes the rotated k, and v, to their KV cache slots (one kernel on a GPU).
+        `qk_norm` (q's RMSNorm, k's): each head normalised first, in the same kernel."""
+        norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        return pointwise.rotary_store(positions, self.cos_sin, q, k, v, kv_cache, slot_mapping, norms)

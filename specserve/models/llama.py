@@ -72,9 +72,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.rotate_and_store(positions, q, k, v, kv_cache, meta.slot_mapping)
+        qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        q, k = rotary.rotate_and_store(positions, q, k, v, kv_cache, meta.slot_mapping, qk_norm)
         out = attend(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out if rows is None else out[rows], add=add)
 

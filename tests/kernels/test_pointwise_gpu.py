@@ -99,3 +99,10 @@ def test_fused_norm_and_rotary_store_match_the_eager_math(dtype):
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots.cpu()] = False
     assert not cache[:, untouched.cuda()].any()
+    # Qwen3's per-head q and k norms folded in: the eager norms, then the rotation.
+    q_weight, k_weight = (torch.rand(dim, device="cuda", dtype=dtype) + 0.5 for _ in range(2))
+    q_rot, k_rot = triton_pointwise.rotary_store(positions, cos_sin, q, k, v, cache, slots, (q_weight, k_weight, 1e-6))
+    q_normed, k_normed = pointwise.rms_norm(q, q_weight, 1e-6), pointwise.rms_norm(k, k_weight, 1e-6)
+    torch.testing.assert_close(q_rot, pointwise._rotate(q_normed, cos, sin), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(k_rot, pointwise._rotate(k_normed, cos, sin), atol=tolerance, rtol=tolerance)
+    assert torch.equal(cache[0, slots], k_rot)

@@ -159,6 +159,33 @@ def test_moe_decode_gemvs_and_grouped_routing_in_the_interpreter_match_the_pytor
     _run_in_interpreter(_MOE_DECODE_IN_INTERPRETER, timeout=600)
 
 
+_QK_NORM_ROTARY_IN_INTERPRETER = """
+from specserve.kernels import pointwise
+from specserve.kernels.triton import pointwise as triton_pointwise
+from specserve.layers.rotary import RotaryEmbedding
+torch.manual_seed(0)
+heads, kv_heads, dim, tokens = 5, 3, 16, 4
+for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    q, k, v = (torch.randn(tokens, h, dim).to(dtype) * 3 for h in (heads, kv_heads, kv_heads))
+    cache = torch.zeros(2, 10, kv_heads, dim, dtype=dtype)
+    positions, slots = torch.tensor([0, 3, 9, 2]), torch.tensor([9, 1, 4, 0])
+    cos_sin = RotaryEmbedding(dim, 16, 10000.0, None).cos_sin
+    q_weight, k_weight = (torch.rand(dim).to(dtype) + 0.5 for _ in range(2))
+    q_rot, k_rot = triton_pointwise.rotary_store(positions, cos_sin, q, k, v, cache, slots, (q_weight, k_weight, 1e-6))
+    reference_cache = torch.zeros_like(cache)
+    expected_q, expected_k = pointwise.eager_rotary_store(positions, cos_sin, pointwise.eager_rms_norm(q, q_weight, 1e-6),
+                                                          pointwise.eager_rms_norm(k, k_weight, 1e-6), v,
+                                                          reference_cache, slots)
+    torch.testing.assert_close(q_rot, expected_q, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(k_rot, expected_k, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(cache, reference_cache, atol=tolerance, rtol=tolerance)
+"""
+
+
+def test_qk_norms_folded_into_the_rotary_store_in_the_interpreter_match_the_eager_math():
+    _run_in_interpreter(_QK_NORM_ROTARY_IN_INTERPRETER, timeout=300)
+
+
 _FP8_GEMV_IN_INTERPRETER = """
 from gemv_checks import ATOL, RTOL, fp8_forms, interpreter_range
 from specserve.kernels.triton import gemv as triton_gemv

@@ -49,13 +49,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin,
-                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr, NORM_W, eps, NORM: tl.constexpr):
+    """Rotates token t's heads; NORM: RMS-normalises each head first (weight NORM_W), rounded as
+    _rms_norm_kernel rounds (Qwen3's q and k norms)."""
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_PAD)
     ok = (h < HEADS)[:, None]
     x_offs = t * stride_xt + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(X + x_offs, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + x_offs + HALF, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        dtype = OUT.dtype.element_ty
+        scale = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(NORM_W + d).to(tl.float32)[None, :]
+        w2 = tl.load(NORM_W + HALF + d).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     o_offs = t * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(OUT + o_offs, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=ok)
     tl.store(OUT + o_offs + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=ok)
@@ -73,7 +82,8 @@ def _rotary_kernel(X, OUT, POSITIONS, COS_SIN, stride_xt, stride_xh, stride_ot, 
                    HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(COS_SIN, tl.load(POSITIONS + t), stride_cs, HALF)
-    _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin, HALF, HEADS_PAD)
+    _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin, HALF, HEADS_PAD, X, 0.0,
+                  False)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -206,11 +216,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN,
+def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN, Q_NORM_W, K_NORM_W,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_qot, stride_qoh, stride_kot, stride_koh, stride_side, stride_slot, stride_cs,
-                         HEADS, KV_HEADS, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-                         PDL: tl.constexpr):
+                         HEADS, KV_HEADS, eps, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                         NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -219,11 +229,13 @@ def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN
     slot = tl.load(SLOTS + t).to(tl.int64)
     cos, sin = _cos_sin(COS_SIN, pos, stride_cs, HALF)
     d = tl.arange(0, HALF)
-    _rotate_heads(Q, Q_OUT, t, stride_qt, stride_qh, stride_qot, stride_qoh, HEADS, cos, sin, HALF, HEADS_PAD)
-    _rotate_heads(K, K_OUT, t, stride_kt, stride_kh, stride_kot, stride_koh, KV_HEADS, cos, sin, HALF, KV_PAD)
+    _rotate_heads(Q, Q_OUT, t, stride_qt, stride_qh, stride_qot, stride_qoh, HEADS, cos, sin, HALF, HEADS_PAD,
+                  Q_NORM_W, eps, NORM)
+    _rotate_heads(K, K_OUT, t, stride_kt, stride_kh, stride_kot, stride_koh, KV_HEADS, cos, sin, HALF, KV_PAD,
+                  K_NORM_W, eps, NORM)
     # The rotated keys go to the cache too (a head's slot row is contiguous, heads one after another).
     _rotate_heads(K, CACHE + slot * stride_slot, t, stride_kt, stride_kh, 0, 2 * HALF, KV_HEADS, cos, sin,
-                  HALF, KV_PAD)
+                  HALF, KV_PAD, K_NORM_W, eps, NORM)
     h = tl.arange(0, KV_PAD)
     ok = (h < KV_HEADS)[:, None]
     for half in tl.static_range(2):
@@ -233,9 +245,11 @@ def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN
 
 
 def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+                 v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """Rotates q [T, H, D] and k [T, Hkv, D] and writes rotated k and v into kv_cache [2, slots, Hkv, D]:
-    one launch where rotary and the KV store took three. Returns the rotated (q, k)."""
+    one launch where rotary and the KV store took three. `qk_norm` (q's norm weight, k's, eps): each head of q
+    and k is RMS-normalised first, in the same launch. Returns the rotated (q, k)."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     if kv_cache.stride(2) != dim or kv_cache.stride(3) != 1:
@@ -243,13 +257,14 @@ def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor
     q_out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, kv_heads, dim, dtype=k.dtype, device=k.device)
     if tokens:
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos_sin, cos_sin, 0.0)  # unread without
         _rotary_store_kernel[(tokens,)](
-            q, k, v, q_out, k_out, kv_cache, positions, slot_mapping, cos_sin,
+            q, k, v, q_out, k_out, kv_cache, positions, slot_mapping, cos_sin, q_weight, k_weight,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), kv_cache.stride(0),
-            kv_cache.stride(1), cos_sin.stride(0), heads, kv_heads, HALF=dim // 2,
+            kv_cache.stride(1), cos_sin.stride(0), heads, kv_heads, eps, HALF=dim // 2,
             HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads),
-            **triton_pdl.launch_options(q))
+            NORM=qk_norm is not None, **triton_pdl.launch_options(q))
     return q_out, k_out
 
 
