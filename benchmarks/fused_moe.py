@@ -1,7 +1,8 @@
 """MoE layers of a shipped config (Qwen3-30B-A3B by default) on one GPU, random bf16 weights: the routed experts'
 forms from 1 to 512 tokens a call. `grouped`: the routing kernel, the grouped GEMMs over pairs laid out by
 expert and the weighted sum (kernels/triton/fused_moe.py); `pairs` (at most 16 tokens): the per-pair GEMVs with
-the routing and the sum inside them (kernels/triton/moe_decode.py); `pytorch`: the eager form.
+the routing and the sum inside them (kernels/triton/moe_decode.py); `pytorch`: the eager form, without the
+routing.
 
 Each row reports the distinct experts the call touched and the bytes their weights hold, the time per layer,
 and the bandwidth that time gives against those bytes: the distance to what reading the touched experts allows.
@@ -62,12 +63,24 @@ def device_us(call, replays: int, graph: bool) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def routed(x, logits, layers, moe, pair_gemv: bool):
-    """A call of every layer's routed experts in turn, the pair GEMVs on or off."""
+def grouped(x, logits, layers, moe):
+    """A call of every layer's routed experts in turn, the grouped GEMMs at every size."""
     def call():
-        with envs.override(moe_pair_gemv=pair_gemv):
+        with envs.override(moe_pair_gemv=False):
             for w13, w2 in layers:
                 softmax_routed_experts(x, logits, w13, w2, moe.top_k, moe.norm_topk_prob)
+    return call
+
+
+def pairs(x, logits, layers, moe):
+    """The same through the pair GEMVs, at any size (the layers take them up to kernels/moe.PAIR_GEMV_TOKENS)."""
+    from specserve.kernels.triton import moe_decode
+
+    def call():
+        for w13, w2 in layers:
+            act, ids, weights = moe_decode.gate_up(x, w13, moe.top_k, router_logits=logits,
+                                                   renormalize=moe.norm_topk_prob)
+            moe_decode.down_sum(act, w2, ids, weights, x.dtype)
     return call
 
 
@@ -79,9 +92,9 @@ def measure(cfg: ModelConfig, tokens: int, layers: list, replays: int) -> dict:
     touched = int(ids.unique().numel())
     expert_bytes = (layers[0][0][0].numel() + layers[0][1][0].numel()) * layers[0][0].element_size()
     row = {"tokens": tokens, "experts_touched": touched, "touched_bytes": touched * expert_bytes}
-    forms = {"grouped": (routed(x, logits, layers, moe, pair_gemv=False), True)}
+    forms = {"grouped": (grouped(x, logits, layers, moe), True)}
     if tokens <= PAIR_TOKENS:
-        forms["pairs"] = (routed(x, logits, layers, moe, pair_gemv=True), True)
+        forms["pairs"] = (pairs(x, logits, layers, moe), True)
     forms["pytorch"] = (lambda: [eager_fused_experts(x, w13, w2, weights, ids) for w13, w2 in layers], False)
     for name, (call, graph) in forms.items():
         us = device_us(call, replays, graph) / len(layers)

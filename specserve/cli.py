@@ -181,7 +181,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                       help="comma-separated Poisson arrival rates (req/s) instead of concurrency levels")
     load.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(50, 4C))")
     load.add_argument("--waves", type=int, default=None,
-                      help="requests per concurrency level: this many times C (instead of --num-prompts)")
+                      help="requests per concurrency level: this many times C (--num-prompts, where given, wins)")
     load.add_argument("--dataset", default="sharegpt", help="sharegpt | mt-bench | random | path to a JSONL file")
     load.add_argument("--random-input-len", type=int, default=512)
     load.add_argument("--random-output-len", type=int, default=256)

@@ -83,7 +83,8 @@ def step_weight_bytes(model: nn.Module, distinct_per_layer: float) -> dict[str, 
 def bandwidth_row(llm, batch: int, decode_tok_s: float, touched: dict | None) -> dict:
     """For a MoE target: the weight bytes of a decode step of `batch` rows and the GB/s its step time gives
     against them. The experts touched are the counted ones where `touched` has decode steps, else what uniform
-    routing gives (random weights route near-uniformly; exact at batch 1)."""
+    routing gives (random weights route near-uniformly; exact at batch 1). Each distinct expert counts once: a
+    lower bound where the pair GEMVs (a few rows) read an expert two rows share twice."""
     model = llm.engine.runner.model
     moe = llm.model_info.model_cfg.moe
     counted = (touched or {}).get("decode")

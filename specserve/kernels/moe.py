@@ -31,7 +31,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """x [T, H], topk_weights [T, k] (fp32), topk_ids [T, k] -> [T, H] in x's dtype: for each token,
     sum over its k experts e of weight * w2[e] @ silu_and_mul(w13[e] @ x), plus `add` [T, H] where given."""
     gpu = _gpu_form(x, w13, w2)
-    if gpu is not None and _pair_gemvs(x):
+    if gpu is not None and _pair_gemvs(x, add):
         gate_up, down = gpu.moe_decode.tiles(envs.get().moe_gemv_tiles)
         act, _, _ = gpu.moe_decode.gate_up(x, w13, topk_ids.shape[1], topk_ids=topk_ids, tile=gate_up)
         return gpu.moe_decode.down_sum(act, w2, topk_ids, topk_weights, x.dtype, add, tile=down)
@@ -51,7 +51,7 @@ def softmax_routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w13: to
     output [T, H], the expert ids [T, k]). At decode's few rows on a GPU the routing runs inside the first GEMV's
     programs, so a MoE layer is two launches."""
     gpu = _gpu_form(x, w13, w2)
-    if gpu is not None and _pair_gemvs(x) and router_logits.stride(-1) == 1:
+    if gpu is not None and _pair_gemvs(x, add) and router_logits.stride(-1) == 1:
         gate_up, down = gpu.moe_decode.tiles(envs.get().moe_gemv_tiles)
         act, ids, weights = gpu.moe_decode.gate_up(x, w13, top_k, router_logits=router_logits,
                                                    renormalize=renormalize, tile=gate_up)
@@ -137,8 +137,10 @@ def eager_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: i
     return weights * scale, ids
 
 
-def _pair_gemvs(x: torch.Tensor) -> bool:
-    return x.shape[0] <= PAIR_GEMV_TOKENS and envs.get().moe_pair_gemv
+def _pair_gemvs(x: torch.Tensor, add: torch.Tensor | None) -> bool:
+    """The pair GEMVs take this call: few rows, and an `add` they can read (unit-stride rows in x's dtype)."""
+    addable = add is None or (add.stride(-1) == 1 and add.dtype == x.dtype)
+    return x.shape[0] <= PAIR_GEMV_TOKENS and addable and envs.get().moe_pair_gemv
 
 
 def _gpu_form(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):

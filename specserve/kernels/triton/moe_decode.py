@@ -69,7 +69,7 @@ def _softmax_choice(LOGITS, j, E: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.c
         probs = tl.where(experts == best, -1.0, probs)
     if RENORMALIZE:
         weight = weight / total
-    return expert, weight
+    return tl.minimum(expert, E - 1), weight  # a row of NaN logits must not send a pair past the last expert
 
 
 @triton.jit

@@ -50,8 +50,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin,
                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr, NORM_W, eps, NORM: tl.constexpr):
-    """Rotates token t's heads; NORM: RMS-normalises each head first (weight NORM_W), rounded as
-    _rms_norm_kernel rounds (Qwen3's q and k norms)."""
+    """Rotates token t's heads; NORM: RMS-normalises each head first (weight NORM_W), rounded where
+    _rms_norm_kernel rounds, its sum of squares taken in two halves (Qwen3's q and k norms)."""
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_PAD)
     ok = (h < HEADS)[:, None]
