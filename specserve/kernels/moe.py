@@ -45,17 +45,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 def softmax_routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                           top_k: int, renormalize: bool,
-                           add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_experts` with the experts chosen by `softmax_topk` of the router's logits [T, E]. Returns (the
-    output [T, H], the expert ids [T, k]). At decode's few rows on a GPU the routing runs inside the first GEMV's
-    programs, so a MoE layer is two launches."""
+                           top_k: int, renormalize: bool, add: torch.Tensor | None = None,
+                           norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_experts` of RMSNorm(x) (`norm`: its weight and eps; None: x as it is) with the experts chosen by
+    `softmax_topk` of the router's logits [T, E]. Returns (the output [T, H], the expert ids [T, k]). At decode's
+    few rows on a GPU the norm and the routing run inside the first GEMV's programs, so a MoE layer's experts
+    are two launches."""
     gpu = _gpu_form(x, w13, w2)
-    if gpu is not None and _pair_gemvs(x, add) and router_logits.stride(-1) == 1:
+    if (gpu is not None and _pair_gemvs(x, add) and router_logits.stride(-1) == 1
+            and (norm is None or norm[0].dtype == x.dtype)):
         gate_up, down = gpu.moe_decode.tiles(envs.get().moe_gemv_tiles)
         act, ids, weights = gpu.moe_decode.gate_up(x, w13, top_k, router_logits=router_logits,
-                                                   renormalize=renormalize, tile=gate_up)
+                                                   renormalize=renormalize, norm=norm, tile=gate_up)
         return gpu.moe_decode.down_sum(act, w2, ids, weights, x.dtype, add, tile=down), ids
+    if norm is not None:
+        x = pointwise.rms_norm(x, *norm)
     weights, ids = softmax_topk(router_logits, top_k, renormalize)
     return fused_experts(x, w13, w2, weights, ids, add), ids
 
@@ -135,6 +139,11 @@ def eager_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: i
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def pair_gemvs_take(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, add: torch.Tensor | None = None) -> bool:
+    """Whether a call on x (with `add`) runs the pair GEMVs, which fold a norm in."""
+    return _gpu_form(x, w13, w2) is not None and _pair_gemvs(x, add)
 
 
 def _pair_gemvs(x: torch.Tensor, add: torch.Tensor | None) -> bool:

@@ -49,11 +49,17 @@ class FusedExperts(nn.Module):
             self.touched.add(topk_ids)
         return moe.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
 
+    def folds_norm(self, x: torch.Tensor, add: torch.Tensor | None = None) -> bool:
+        """Whether `softmax_routed` on x takes its norm inside the expert kernels (else it applies it first)."""
+        return moe.pair_gemvs_take(x, self.w13, self.w2, add)
+
     def softmax_routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                       add: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` with the experts and weights of `softmax_topk(router_logits, top_k, renormalize)`, plus
-        `add` [T, H] where given; at decode sizes on a GPU the routing and the add fold into the expert kernels."""
-        out, ids = moe.softmax_routed_experts(x, router_logits, self.w13, self.w2, top_k, renormalize, add)
+                       add: torch.Tensor | None = None, norm=None) -> torch.Tensor:
+        """`forward` of norm(x) (an RMSNorm, optional) with the experts and weights of `softmax_topk(router_logits,
+        top_k, renormalize)`, plus `add` [T, H] where given; at decode sizes on a GPU the norm, the routing and
+        the add fold into the expert kernels."""
+        norm_args = None if norm is None else (norm.weight, norm.eps)
+        out, ids = moe.softmax_routed_experts(x, router_logits, self.w13, self.w2, top_k, renormalize, add, norm_args)
         if self.touched is not None:
             self.touched.add(ids)
         return out

@@ -26,17 +26,20 @@ class SparseMoeBlock(nn.Module):
         moe = cfg.moe
         self.top_k, self.norm_topk_prob, self.tp = moe.top_k, moe.norm_topk_prob, tp
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.gate.takes_norm = True
         _, intermediate = tp.shard(moe.intermediate_size, "expert intermediate rows")
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, intermediate)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
-        """experts(norm(x)) + add, as the dense MLP is called; norm and add are optional."""
-        if norm is not None:
-            x = norm(x)
-        if self.tp.size == 1:  # the add folds into the experts' sum
-            return self.experts.softmax_routed(x, self.gate(x), self.top_k, self.norm_topk_prob, add)
-        out = self.tp.all_reduce(self.experts.softmax_routed(x, self.gate(x), self.top_k, self.norm_topk_prob))
-        return out if add is None else out + add
+        """experts(norm(x)) + add, as the dense MLP is called; norm and add are optional. Where the experts' kernels
+        take it (decode on a GPU), the norm folds into them and the router's GEMV, and on one rank the add into
+        their sum."""
+        fold_add = add if self.tp.size == 1 else None  # across ranks the add follows the all-reduce
+        if norm is not None and not self.experts.folds_norm(x, fold_add):
+            x, norm = norm(x), None
+        out = self.experts.softmax_routed(x, self.gate(x, norm=norm), self.top_k, self.norm_topk_prob, fold_add, norm)
+        out = self.tp.all_reduce(out)
+        return out if add is None or fold_add is not None else out + add
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

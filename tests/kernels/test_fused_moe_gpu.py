@@ -89,20 +89,26 @@ def test_routing_kernels_match_their_pytorch_forms(tokens, experts, k):
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("experts,k,inter", [(128, 8, 768), (64, 6, 1408)])  # Qwen3-30B-A3B's, Moonlight's
 def test_softmax_routed_experts_match_routing_then_the_pytorch_form(tokens, experts, k, inter):
-    # At decode sizes the routing runs inside the first expert GEMV and the residual add in the sum.
+    # At decode sizes the routing (and the block's norm) runs inside the first expert GEMV and the residual add
+    # in the sum.
     from specserve.kernels.moe import PAIR_GEMV_TOKENS, eager_fused_experts, softmax_routed_experts
+    from specserve.kernels.pointwise import eager_rms_norm
     from specserve.layers.moe import softmax_topk
 
     assert tokens <= PAIR_GEMV_TOKENS
     w13, w2 = _layer(experts=experts, inter=inter)
     x, add = (torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16) * 2
+    gamma = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
     with torch.no_grad():
         out, ids = softmax_routed_experts(x, logits, w13, w2, k, renormalize=True, add=add)
         weights, ref_ids = softmax_topk(logits, k, renormalize=True)
         ref = eager_fused_experts(x, w13, w2, weights, ref_ids) + add
+        normed_out, _ = softmax_routed_experts(x, logits, w13, w2, k, renormalize=True, norm=(gamma, 1e-6))
+        normed_ref = eager_fused_experts(eager_rms_norm(x, gamma, 1e-6), w13, w2, weights, ref_ids)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(normed_out.float(), normed_ref.float(), atol=3e-2, rtol=2e-2)
 
 
 def test_softmax_routed_experts_replay_in_a_cuda_graph_with_new_logits():

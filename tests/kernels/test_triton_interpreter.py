@@ -113,6 +113,7 @@ def test_fused_moe_in_the_interpreter_matches_the_pytorch_form():
 
 
 _MOE_DECODE_IN_INTERPRETER = """
+from specserve.kernels import pointwise
 from specserve.kernels.moe import eager_fused_experts
 from specserve.kernels.triton import moe_decode
 from specserve.kernels.triton.moe_decode import GemvTile
@@ -138,6 +139,11 @@ for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
         act, _, _ = moe_decode.gate_up(x, w13, k, topk_ids=ids, tile=tiles[1])
         out = moe_decode.down_sum(act, w2, ids, weights, dtype, add=add, tile=tiles[0])
         torch.testing.assert_close(out.float(), (reference + add).float(), atol=tolerance, rtol=tolerance)
+        gamma = (torch.rand(hidden) + 0.5).to(dtype)  # the block's RMSNorm taken inside the gate-up GEMV
+        act, _, _ = moe_decode.gate_up(x, w13, k, topk_ids=ids, norm=(gamma, 1e-6), tile=tiles[0])
+        out = moe_decode.down_sum(act, w2, ids, weights, dtype, tile=tiles[1])
+        normed = eager_fused_experts(pointwise.eager_rms_norm(x, gamma, 1e-6), w13, w2, weights, ids)
+        torch.testing.assert_close(out.float(), normed.float(), atol=tolerance, rtol=tolerance)
 from specserve.kernels.moe import eager_grouped_topk
 from specserve.kernels.triton import moe_routing
 # DeepSeek-V3's 8 groups of 32 choosing 4 (k 8); Moonlight's one group of 64 (k 6); ties in the unbiased scores.

@@ -8,7 +8,7 @@ a step's MoE is two launches:
 - `gate_up`: one program per (pair, tile of intermediate rows) streams its expert's gate and up rows against
   the token's row of x on CUDA cores and stores SiLU(gate) * up. With `router_logits` it also routes: each
   program takes the softmax top-k of its token's logits itself (the router's 128 logits cost little next to
-  a weight tile), so routing needs no launch either.
+  a weight tile), so routing needs no launch either; with `norm`, the block's RMSNorm of x is taken there too.
 - `down_sum`: one program per (token, tile of output columns) runs the down projection of each of the token's
   k experts in turn and sums them, weighted, in fp32 in a fixed order; it can add the residual too.
 
@@ -73,13 +73,13 @@ def _softmax_choice(LOGITS, j, E: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.c
 
 
 @triton.jit
-def _gate_up_kernel(X, W13, ACT, IDS, WEIGHTS, LOGITS, stride_x, stride_we, stride_wn, stride_l,
+def _gate_up_kernel(X, W13, ACT, IDS, WEIGHTS, LOGITS, GAMMA, stride_x, stride_we, stride_wn, stride_l, eps,
                     I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
-                    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
+                    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """ACT[pair, rows] = silu(x W_gate^T) * (x W_up^T) for the pair's token and expert. ROUTE: the expert (and
     its weight, stored by each pair's first program for `_down_sum_kernel`) from the token's router logits;
-    else from IDS."""
+    else from IDS. NORM: x is first RMS-normalised (weight GAMMA), rounded where the norm kernel rounds."""
     pair = tl.program_id(0)
     token = pair // TOPK
     if PDL:
@@ -95,18 +95,29 @@ def _gate_up_kernel(X, W13, ACT, IDS, WEIGHTS, LOGITS, stride_x, stride_we, stri
     row_ok = rows < I
     gate_rows = W13 + expert.to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
+    dtype = ACT.dtype.element_ty
+    if NORM:  # the token's row is a few KB, read from L2 by each of its programs
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + token * stride_x + ks, mask=ks < H, other=0.0).to(tl.float32)
+            squares += x * x
+        scale = tl.rsqrt(tl.sum(squares, axis=0) / H + eps)
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
-        x = tl.load(X + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(X + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            gamma = tl.load(GAMMA + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = (gamma * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x = x[None, :]
         w_mask = row_ok[:, None] & k_ok[None, :]
         acc_gate += tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
         acc_up += tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
     if PDL:
         gdc_launch_dependents()
-    dtype = ACT.dtype.element_ty
     gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
     up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
@@ -146,10 +157,11 @@ def _down_sum_kernel(ACT, W2, OUT, IDS, WEIGHTS, RES, stride_we, stride_wn, stri
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, topk_ids: torch.Tensor | None = None,
             router_logits: torch.Tensor | None = None, renormalize: bool = False,
+            norm: tuple[torch.Tensor, float] | None = None,
             tile: GemvTile = DEFAULT_TILES[0]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Each pair's SiLU(gate) * up, [T*k, I], for pairs given by `topk_ids` [T, k] or routed here from
-    `router_logits` [T, E] (softmax top-k, `renormalize`d). Returns (act, ids [T, k] int64, weights [T, k] fp32
-    or None where the ids were given)."""
+    `router_logits` [T, E] (softmax top-k, `renormalize`d); of RMSNorm(x) with `norm` (its weight, eps).
+    Returns (act, ids [T, k] int64, weights [T, k] fp32 or None where the ids were given)."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -162,11 +174,12 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, topk_ids: torch.Tens
         ids, weights, logits, stride_l = topk_ids.contiguous(), None, topk_ids, 0
     act = x.new_empty(tokens * top_k, inter)
     if tokens:
+        gamma, eps = norm if norm is not None else (x, 0.0)  # (unread without NORM)
         _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, tile.block_n))](
-            x, w13, act, ids, weights if route else ids, logits, x.stride(0), w13.stride(0), w13.stride(1),
-            stride_l, I=inter, H=hidden, TOPK=top_k, E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
-            ROUTE=route, RENORMALIZE=renormalize, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-            num_warps=tile.warps, **triton_pdl.launch_options(x))
+            x, w13, act, ids, weights if route else ids, logits, gamma, x.stride(0), w13.stride(0), w13.stride(1),
+            stride_l, eps, I=inter, H=hidden, TOPK=top_k, E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
+            ROUTE=route, RENORMALIZE=renormalize, NORM=norm is not None, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, num_warps=tile.warps, **triton_pdl.launch_options(x))
     return act, ids, weights
 
 
