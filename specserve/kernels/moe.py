@@ -22,8 +22,9 @@ from specserve import envs
 from specserve.kernels import pointwise
 
 # Steps of at most this many rows take the per-pair GEMVs: while few rows share an expert, dropping the layout
-# and sum launches outweighs reading a shared expert once per row (benchmarks/fused_moe.py measures both).
-PAIR_GEMV_TOKENS = 4
+# and sum launches outweighs reading a shared expert once per row. On a Qwen3-30B-A3B layer they were faster up
+# to 8 rows and slower at 16 (benchmarks/results/fused_moe_qwen3_30b_a3b_h100.json).
+PAIR_GEMV_TOKENS = 8
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
