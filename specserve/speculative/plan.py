@@ -157,10 +157,12 @@ class AdaptivePlan:
         # the plain one it waited for (the head's catch-up on the spell)
         self.switch_cost: dict[int, float] = {}
         self.break_even = 0.0  # t_draft / t_plain for this step's requests (0: every request drafts)
+        self._expected_tokens: dict[tuple[int, int], float] = {}  # (request id, shape) -> `_tokens`, until `_forget`
 
     # -- planning ---------------------------------------------------------
     def step_drafts(self, requests: list[Request]) -> bool:
         """Whether this pure decode step over `requests` drafts."""
+        self._forget()
         for request in requests:
             request.steps_since_drafting += 1
         size = bucket(len(requests))
@@ -200,6 +202,7 @@ class AdaptivePlan:
         join is to draft."""
         if not requests:
             return False
+        self._forget()
         size = bucket(len(requests))
         if self._borrowed_break_even(requests, size) is not None:
             return False
@@ -253,36 +256,48 @@ class AdaptivePlan:
         """The step's shape, or on a chain the fewest drafts that keep nearly all the tokens it expects."""
         if not self.choosing or self._is_tree(self.shape):
             return self.shape
-        full = self._chain_tokens(request, self.shape)
-        return next(d for d in range(1, self.shape + 1) if self._chain_tokens(request, d) >= full - 0.05)
+        full = self._tokens(request, self.shape)
+        return next(d for d in range(1, self.shape + 1) if self._tokens(request, d) >= full - 0.05)
 
     # -- shapes -------------------------------------------------------------
     def _tokens(self, request: Request, shape: int) -> float:
         """Expected tokens of a step of `shape` drafts for the request: by depth, where the plan picks among
-        shapes; else the request's mean acceptance length."""
+        shapes; else the request's mean acceptance length. Kept until the counts change (`_forget`): a step's
+        decision asks for each request and shape several times, and at a few hundred requests that is a
+        visible share of a step's host time."""
         if not self.choosing:
             return self._accept_len(request)
+        tokens = self._expected_tokens.get((request.request_id, shape))
+        if tokens is not None:
+            return tokens
         if self._is_tree(shape):
             reached, kept = request.tree_positions.get(shape, ((), ()))
-            return self._expected(reached, kept, self.tree_accept[shape], self.trees[shape])
-        return self._chain_tokens(request, shape)
+            curve = self._curve(reached, kept, self.tree_accept[shape], self.trees[shape])
+            self._expected_tokens[(request.request_id, shape)] = curve[-1]
+            return curve[-1]
+        # One pass gives every chain's: a chain's draft at a depth is the same token whatever its length.
+        curve = self._curve(request.drafts_reached, request.drafts_kept, self.position_accept, self.depth)
+        for depth in range(1, self.depth + 1):
+            self._expected_tokens[(request.request_id, depth)] = curve[depth]
+        return curve[shape]
+
+    def _forget(self) -> None:
+        """Drops the expected tokens kept: the counts or the recent means have moved, or a new step is decided."""
+        self._expected_tokens.clear()
 
     def _is_tree(self, shape: int) -> bool:
         return shape in self.trees
 
-    def _chain_tokens(self, request: Request, depth: int) -> float:
-        return self._expected(request.drafts_reached, request.drafts_kept, self.position_accept, depth)
-
-    def _expected(self, reached, kept, recent: list[float], depth: int) -> float:
-        """1 + Σ_{i<=depth} Π_{j<=i} p_j: the acceptance at each depth given the one before was reached, the
-        request's own counts drawn towards the recent requests' as `_accept_len` draws its mean."""
+    def _curve(self, reached, kept, recent: list[float], depth: int) -> list[float]:
+        """[1 + Σ_{i<=d} Π_{j<=i} p_j for d = 0..depth]: the acceptance at each depth given the one before was
+        reached, the request's own counts drawn towards the recent requests' as `_accept_len` draws its mean."""
         prior = self.config.prior_steps
-        tokens, through = 1.0, 1.0
+        tokens, through = [1.0], 1.0
         for j in range(depth):
             seen = reached[j] if j < len(reached) else 0
             hits = kept[j] if j < len(kept) else 0
             through *= (hits + prior * recent[j]) / (seen + prior)
-            tokens += through
+            tokens.append(tokens[-1] + through)
         return tokens
 
     def _best_shape(self, requests: list[Request], size: int, plain: float) -> tuple[int, float]:
@@ -408,6 +423,7 @@ class AdaptivePlan:
             request.steps_since_drafting = 0
         if self.choosing:
             self._count_positions(request, drafted, accepted, depth)
+            self._forget()
         # Fewer drafts than planned: cut by the room the request has left, which caps its acceptance too. Such
         # steps end every request, all at once at the end of a wave of like requests, and would drag the
         # recent mean (the new requests' prior) under the break-even just as the next wave starts.

@@ -390,3 +390,20 @@ def test_drafts_cut_by_the_room_left_do_not_lower_the_recent_mean():
     plan.observe_acceptance(request, 4, 0)  # a full draft that failed still counts
     assert plan.mean_accept_len < 3.95
 
+
+
+def test_expected_tokens_follow_the_counts_within_a_step():
+    # The plan keeps each request's expected tokens per shape for a step's decision; acceptance observed
+    # meanwhile (under overlap, the step before's) must show in what it answers next.
+    plan = AdaptivePlan(3, chains=(1, 2))
+    a, b = _requests(2)
+    plan.step_drafts([a, b])
+    before = [plan._tokens(a, depth) for depth in (1, 2, 3)]
+    assert before == [plan._tokens(b, depth) for depth in (1, 2, 3)]  # nothing counted yet: the prior
+    for _ in range(20):
+        plan.observe_acceptance(a, 3, 0)  # a's first drafts always rejected
+    after = [plan._tokens(a, depth) for depth in (1, 2, 3)]
+    assert all(x < y for x, y in zip(after, before))
+    fresh = AdaptivePlan(3, chains=(1, 2))
+    fresh.position_accept = list(plan.position_accept)
+    assert after == [fresh._tokens(a, depth) for depth in (1, 2, 3)]  # the same as computed afresh
