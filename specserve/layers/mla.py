@@ -65,7 +65,10 @@ class MultiHeadLatentAttention(nn.Module):
         tokens = x.shape[0]
         q = self._queries(x).view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_proj_with_mqa(x)
+        if self._latent_kernels(latent, kv_cache, meta):
+            return self.o_proj(self.attend_latent_kernels(q_nope, q_pe, latent, positions, rotary, kv_cache, meta))
+        c, k_pe = latent.split([self.rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = rotary(positions, self._halved(q_pe), self._halved(k_pe).view(tokens, 1, self.rope_dim))
         entry = torch.cat([c, k_pe.view(tokens, self.rope_dim)], dim=-1).view(tokens, 1, -1)
@@ -86,19 +89,42 @@ class MultiHeadLatentAttention(nn.Module):
         # One plane serves as keys and as values: a value's last rope_dim entries (k_pe) come out as extra
         # output columns, dropped below.
         planes = kv_cache.expand(2, -1, -1, -1)
-        if meta.block_tables is not None and q.is_cuda and latent_kernel_takes(self.rank, self.rope_dim):
-            from specserve.kernels.triton.mla_attention import mla_decode_attention  # Triton: GPU machines only
-
-            mixed = mla_decode_attention(q, kv_cache[0], self.rank, meta.block_tables, meta.seq_lens, self.scale,
-                                         meta.page_size, meta.num_splits, meta.tail_slots, meta.tail_lens,
-                                         meta.rows_per_seq)
+        if meta.block_tables is not None:  # the row form (decode graphs, step programs), in PyTorch
+            out = attend_rows(q, planes, meta, self.scale)
         else:
-            if meta.block_tables is not None:  # the row form (decode graphs, step programs), in PyTorch
-                out = attend_rows(q, planes, meta, self.scale)
-            else:
-                out = attend(q, entry, entry, planes, meta, self.scale)
-            mixed = out.view(q.shape[0], self.num_heads, -1)[..., :self.rank]
-        return torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(q.shape[0], -1)
+            out = attend(q, entry, entry, planes, meta, self.scale)
+        return self._values(out.view(q.shape[0], self.num_heads, -1)[..., :self.rank], w_uv)
+
+    def attend_latent_kernels(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                              positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                              meta: AttentionMetadata) -> torch.Tensor:
+        """`attend_absorbed` of the row form on a GPU, from kv_a_proj's output `latent` [T, rank + rope]: one
+        kernel norms c, rotates k_pe and q_pe and stores the cache row (eight launches in the form above),
+        another attends over the latent pages in place (kernels/triton/mla_attention.py)."""
+        from specserve.kernels.triton import pointwise as triton_pointwise  # Triton: GPU machines only
+        from specserve.kernels.triton.mla_attention import mla_decode_attention
+
+        tokens = latent.shape[0]
+        w_uk, w_uv = self._up_projections()
+        q = latent.new_empty(tokens, self.num_heads, self.rank + self.rope_dim)
+        triton_pointwise.mla_rotary_store(positions, rotary.cos_sin, q_pe, latent, self.kv_a_layernorm.weight,
+                                          self.kv_a_layernorm.eps, kv_cache[0], meta.slot_mapping, q,
+                                          interleaved=self.rope_order is not None)
+        q[..., :self.rank] = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        mixed = mla_decode_attention(q, kv_cache[0], self.rank, meta.block_tables, meta.seq_lens, self.scale,
+                                     meta.page_size, meta.num_splits, meta.tail_slots, meta.tail_lens,
+                                     meta.rows_per_seq)
+        return self._values(mixed, w_uv)
+
+    def _latent_kernels(self, latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step takes `attend_latent_kernels`: the row form, on a GPU, shapes the kernels tile."""
+        return (meta.block_tables is not None and latent.is_cuda and latent.dtype == kv_cache.dtype
+                and self.kv_a_layernorm.weight.dtype == latent.dtype and latent.stride(-1) == 1
+                and latent_kernel_takes(self.rank, self.rope_dim))
+
+    def _values(self, mixed: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """Each head's mix of latents [T, heads, rank] through W_UV: [T, heads * v_dim]."""
+        return torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(mixed.shape[0], -1)
 
     def attend_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
                         kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -58,3 +58,19 @@ def test_grouped_topk_kernel_compiles_for_sm90():
     signature = {name: "constexpr" if name in constants else types[name] for name in _grouped_topk_kernel.arg_names}
     compiled = triton.compile(ASTSource(_grouped_topk_kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in compiled.asm
+
+
+def test_mla_rotary_store_kernel_compiles_for_sm90():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specserve.kernels.triton.pointwise import _mla_rotary_store_kernel
+
+    # Moonlight's (and DeepSeek-V3's) latent: kv_lora_rank 512, rotary 64, interleaved pairs; PDL as on Hopper.
+    constants = dict(RANK=512, HALF=32, HEADS_PAD=16, INTERLEAVED=True, PDL=True)
+    types = dict(Q_PE="*bf16", LATENT="*bf16", NORM_W="*bf16", Q_OUT="*bf16", CACHE="*bf16", POSITIONS="*i64",
+                 SLOTS="*i64", COS_SIN="*fp32", eps="fp32")
+    fn = _mla_rotary_store_kernel
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm

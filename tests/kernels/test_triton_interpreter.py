@@ -192,6 +192,72 @@ def test_qk_norms_folded_into_the_rotary_store_in_the_interpreter_match_the_eage
     _run_in_interpreter(_QK_NORM_ROTARY_IN_INTERPRETER, timeout=300)
 
 
+_MLA_ROTARY_STORE_IN_INTERPRETER = """
+from specserve.kernels import pointwise
+from specserve.kernels.triton import pointwise as triton_pointwise
+from specserve.layers.rotary import RotaryEmbedding
+torch.manual_seed(0)
+heads, rank, rope, tokens, slots = 3, 32, 16, 4, 12
+halves = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    for interleaved in (True, False):
+        q = (torch.randn(tokens, heads, 8 + rope) * 2).to(dtype)  # [q_nope | q_pe] per head
+        q_pe = q[..., 8:]
+        latent, gamma = (torch.randn(tokens, rank + rope) * 2).to(dtype), (torch.rand(rank) + 0.5).to(dtype)
+        positions, slot_mapping = torch.tensor([0, 5, 2, 9]), torch.tensor([11, 0, 4, 7])
+        cos_sin = RotaryEmbedding(rope, 16, 10000.0, None).cos_sin
+        plane, q_out = torch.zeros(slots, 1, rank + rope, dtype=dtype), torch.zeros(tokens, heads, rank + rope, dtype=dtype)
+        triton_pointwise.mla_rotary_store(positions, cos_sin, q_pe, latent, gamma, 1e-6, plane, slot_mapping, q_out,
+                                          interleaved)
+        order = halves if interleaved else torch.arange(rope)
+        c = pointwise.eager_rms_norm(latent[:, :rank], gamma, 1e-6)
+        expected_q, k_pe = pointwise.eager_rotary(positions, cos_sin, q_pe[..., order],
+                                                  latent[:, rank:][:, order].view(tokens, 1, rope))
+        expected = torch.zeros_like(plane)
+        expected[slot_mapping] = torch.cat([c, k_pe.view(tokens, rope)], dim=-1).view(tokens, 1, -1)
+        torch.testing.assert_close(plane, expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(q_out[..., rank:], expected_q, atol=tolerance, rtol=tolerance)
+        assert not q_out[..., :rank].any()  # the latent queries' columns are the caller's
+# The layer's latent-kernel path (fused store, then the latent attention kernel) against its PyTorch row form.
+import json
+from dataclasses import replace
+from specserve.config import ModelConfig
+from specserve.engine.factory import shipped_config
+from specserve.layers.attention import AttentionMetadata
+from specserve.layers.mla import MultiHeadLatentAttention
+cfg = ModelConfig.from_hf_config(json.loads(shipped_config("moonlight-16b-a3b").read_text()))
+cfg = replace(cfg, hidden_size=64, num_heads=4, mla=replace(cfg.mla, kv_lora_rank=32, qk_rope_head_dim=16,
+                                                              qk_nope_head_dim=16, v_head_dim=16))
+layer = MultiHeadLatentAttention(cfg)
+with torch.no_grad():
+    for param in layer.parameters():
+        param.copy_(torch.randn_like(param) * 0.1 + (1.0 if param.dim() == 1 else 0.0))
+rotary = RotaryEmbedding(16, 256, cfg.rope_theta, cfg.rope_scaling)
+page, lens = 4, [1, 9, 30]
+block_tables = torch.arange(3 * 8, dtype=torch.int32).view(3, 8)
+seq_lens = torch.tensor(lens, dtype=torch.int32)
+positions = seq_lens.long() - 1
+slot_mapping = block_tables.gather(1, (positions // page).view(-1, 1)).view(-1).long() * page + positions % page
+meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, page_size=page)
+cache = torch.randn(1, 3 * 8 * page, 1, 48)
+x = torch.randn(3, 64)
+with torch.no_grad():
+    fused_cache = cache.clone()
+    layer._latent_kernels = lambda *args: True  # a CPU tensor, run by the interpreter
+    fused = layer(x, positions, rotary, fused_cache, meta)
+    layer._latent_kernels = lambda *args: False
+    reference = layer(x, positions, rotary, cache, meta)
+torch.testing.assert_close(fused_cache, cache, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
+"""
+
+
+def test_mla_rotary_store_in_the_interpreter_matches_the_eager_ops():
+    # The latent's norm, the rotations of k_pe and q_pe (interleaved pairs or halves) and the cache row; then
+    # the whole layer's decode step through it and the latent attention kernel.
+    _run_in_interpreter(_MLA_ROTARY_STORE_IN_INTERPRETER, timeout=300)
+
+
 _FP8_GEMV_IN_INTERPRETER = """
 from gemv_checks import ATOL, RTOL, fp8_forms, interpreter_range
 from specserve.kernels.triton import gemv as triton_gemv

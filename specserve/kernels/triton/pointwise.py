@@ -269,6 +269,62 @@ def rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q: torch.Tensor
 
 
 @triton.jit
+def _mla_rotary_store_kernel(Q_PE, LATENT, NORM_W, Q_OUT, CACHE, POSITIONS, SLOTS, COS_SIN, stride_qt, stride_qh,
+                             stride_lt, stride_ot, stride_oh, stride_slot, stride_cs, HEADS, eps,
+                             RANK: tl.constexpr, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+                             INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
+    """Token t of an MLA layer: its latent c (the first RANK of LATENT's row) RMS-normalised and its rotary key
+    (the last 2 HALF) rotated, stored as the cache row [c | k_pe]; each head's q_pe rotated into the last 2 HALF
+    columns of Q_OUT. INTERLEAVED: the rotary pairs are (x0, x1), (x2, x3), taken as halves first."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    cos, sin = _cos_sin(COS_SIN, tl.load(POSITIONS + t), stride_cs, HALF)
+    dtype = CACHE.dtype.element_ty
+    r = tl.arange(0, RANK)
+    c = tl.load(LATENT + t * stride_lt + r).to(tl.float32)
+    normed = (c * tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)).to(dtype).to(tl.float32)
+    tl.store(CACHE + slot * stride_slot + r, (tl.load(NORM_W + r).to(tl.float32) * normed).to(dtype))
+    d = tl.arange(0, HALF)
+    if INTERLEAVED:
+        first, second = 2 * d, 2 * d + 1
+    else:
+        first, second = d, d + HALF
+    k1 = tl.load(LATENT + t * stride_lt + RANK + first)[None, :].to(tl.float32)
+    k2 = tl.load(LATENT + t * stride_lt + RANK + second)[None, :].to(tl.float32)
+    k_row = CACHE + slot * stride_slot + RANK + d[None, :]
+    tl.store(k_row, (k1 * cos - k2 * sin).to(dtype))
+    tl.store(k_row + HALF, (k2 * cos + k1 * sin).to(dtype))
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    ok = h < HEADS
+    q_row = Q_PE + t * stride_qt + h * stride_qh
+    q1 = tl.load(q_row + first[None, :], mask=ok, other=0.0).to(tl.float32)
+    q2 = tl.load(q_row + second[None, :], mask=ok, other=0.0).to(tl.float32)
+    out_row = Q_OUT + t * stride_ot + h * stride_oh + RANK + d[None, :]
+    tl.store(out_row, (q1 * cos - q2 * sin).to(dtype), mask=ok)
+    tl.store(out_row + HALF, (q2 * cos + q1 * sin).to(dtype), mask=ok)
+
+
+def mla_rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                     norm_weight: torch.Tensor, eps: float, plane: torch.Tensor, slot_mapping: torch.Tensor,
+                     q_out: torch.Tensor, interleaved: bool) -> None:
+    """One launch for what an MLA layer does between its projections and attention: RMSNorm of each token's
+    latent c, the rotation of its shared key k_pe and of every head's q_pe, the cache row [c | k_pe] stored at
+    its slot of `plane` [slots, 1, rank + rope], the rotated q_pe into q_out[..., rank:]. latent [T, rank + rope]
+    (kv_a_proj's output); q_pe [T, H, rope]; q_out [T, H, rank + rope]; `interleaved`: rotary pairs adjacent."""
+    tokens, heads, rope = q_pe.shape
+    rank = latent.shape[1] - rope
+    if tokens:
+        _mla_rotary_store_kernel[(tokens,)](
+            q_pe, latent, norm_weight, q_out, plane, positions, slot_mapping, cos_sin, q_pe.stride(0),
+            q_pe.stride(1), latent.stride(0), q_out.stride(0), q_out.stride(1), plane.stride(0),
+            cos_sin.stride(0), heads, eps, RANK=rank, HALF=rope // 2, HEADS_PAD=triton.next_power_of_2(heads),
+            INTERLEAVED=interleaved, **triton_pdl.launch_options(q_pe))
+
+
+@triton.jit
 def _resolve_placeholders_kernel(IDS, VALUES, N, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     ok = offs < N
