@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import torch
+
 from specserve import envs
 from specserve.core import FinishReason, Request, SamplingParams, ScheduledSeq, StepBatch, TokenLogprob
 from specserve.engine.futures import has_placeholder
@@ -228,8 +230,9 @@ class EngineCore:
                 self.in_flight = self._program_flight(output, batch)
                 return deltas
             sampled = output.tokens()
-        except Exception:
+        except Exception as error:
             log.exception("step failed; retrying its requests one by one")
+            self._after_failed_step(batch, error)
             return deltas + self._step_each_alone(batch)
         self.timer.step_read(batch.kind)
         with self.timer.phase("postprocess"):
@@ -246,8 +249,9 @@ class EngineCore:
     def _step_overlapped(self, batch: StepBatch) -> list[TokenDelta]:
         try:
             launched = self._launch(batch)
-        except Exception:
+        except Exception as error:
             log.exception("step failed; retrying its requests one by one")
+            self._after_failed_step(batch, error)
             deltas = self._read_back()
             return deltas + self._step_each_alone(batch)
         deltas = self._read_back()
@@ -398,6 +402,20 @@ class EngineCore:
                 self.scheduler.finish(request, reason)
                 return tokens[: i + 1]
         return tokens
+
+    def _after_failed_step(self, batch: StepBatch, error: Exception) -> None:
+        """A step that ran out of device memory while computing prompts: later steps take fewer prompt tokens
+        (halved each time it happens), so the next wave of prompts does not fail again and fall back to one
+        request at a time."""
+        if not isinstance(error, torch.OutOfMemoryError):
+            return
+        prompt_tokens = sum(len(seq.token_ids) for seq in batch.seqs if len(seq.token_ids) > 1)
+        cap = self.scheduler.cap_prompt_tokens(prompt_tokens)
+        if cap is not None:
+            log.warning("a step of %d prompt tokens ran out of device memory: steps take at most %d from now on",
+                        prompt_tokens, cap)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _step_each_alone(self, batch: StepBatch) -> list[TokenDelta]:
         # A failure is pinned to the request that causes it; the others carry on as if nothing happened.

@@ -69,6 +69,9 @@ class Scheduler:
         self.forced_spans = forced_spans
         self.allocator = allocator
         self.max_model_len = max_model_len
+        # Prompt tokens a step may compute, below the budget after a prompt step ran out of device memory
+        # (`cap_prompt_tokens`); None: the budget alone.
+        self.prompt_token_cap: int | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -126,15 +129,19 @@ class Scheduler:
         for request in self.running:
             self._index_pages(request)
         budget = self.config.chunked_prefill_size
+        prompt_budget = budget if self.prompt_token_cap is None else self.prompt_token_cap
         scheduled: list[tuple[Request, int, int]] = []
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self._awaits_last_token(request):
+            if self._awaits_last_token(request) or (request.num_uncomputed_tokens > 1 and prompt_budget <= 0):
                 index += 1
                 continue
             count = min(request.num_uncomputed_tokens, budget)
+            if count > 1:  # a prompt's chunk
+                count = min(count, prompt_budget)
+                prompt_budget -= count
             drafts = self._num_drafts(request, count, budget) if drafting else 0
             forced = self._forced_span(request, count, budget) if self.forced_spans else []
             drafts = max(0, drafts - len(forced))  # the drafter drafts on past them, within its budget
@@ -146,12 +153,12 @@ class Scheduler:
             index += 1
         # Admitting while evicting would thrash, so new work waits for a step without preemption; and for one
         # without drafts, so that a drafting step holds decoding requests alone.
-        while self.waiting and budget > 0 and not preempted and not drafting:
+        while self.waiting and min(budget, prompt_budget) > 0 and not preempted and not drafting:
             if len(self.running) >= self.config.max_running_requests:
                 break
             request = self.waiting[0]
             hit = self._reuse_prefix(request)
-            count = min(request.num_uncomputed_tokens, budget)
+            count = min(request.num_uncomputed_tokens, budget, prompt_budget)
             if not self._grow(request, count):
                 self._release(request)  # the shared prefix too: it is matched again next time
                 request.num_computed_tokens = request.num_draft_computed_tokens = 0
@@ -162,11 +169,23 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, count, 0, []))
             budget -= count
+            prompt_budget -= count
         # Drafters follow along only while drafting pays: otherwise they stay behind, and most requests finish
         # before it pays again.
         extend = self.draft_plan is not None and not drafting and self._follows(prompts_pending)
         self._gate_answered = False
         return StepBatch([self._describe(r, n, d, extend, f) for r, n, d, f in scheduled], self.allocator.page_size)
+
+    def cap_prompt_tokens(self, failed_prompt_tokens: int) -> int | None:
+        """A step that computed `failed_prompt_tokens` prompt tokens ran out of device memory: later steps take
+        at most half as many (not below a page's worth), so a wave's prompts do not fail again. Returns the new
+        cap, or None where it cannot go lower."""
+        cap = max(self.allocator.page_size, failed_prompt_tokens // 2)
+        if failed_prompt_tokens <= self.allocator.page_size or (
+                self.prompt_token_cap is not None and self.prompt_token_cap <= cap):
+            return None
+        self.prompt_token_cap = cap
+        return cap
 
     def follow(self, previous: StepBatch, width: int) -> StepBatch | None:
         """The next drafting step for the requests of `previous`, a drafting program step still in flight (each

@@ -101,6 +101,33 @@ def test_a_failing_request_fails_alone(llm):
     assert llm.generate(PROMPTS[1], _greedy(8))[0].token_ids == expected[1]  # the engine is still fine
 
 
+def test_prompt_steps_that_run_out_of_memory_cap_the_prompt_tokens_of_later_steps(tiny_chat_model):
+    # A device out of memory for a step's prompts: the step's requests are retried one by one, as for any
+    # fault, and later steps take fewer prompt tokens, so the next wave does not fail again.
+    import torch
+
+    llm = LLM(model=str(tiny_chat_model), max_total_tokens=4096, page_size=8)
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
+    expected = [o.token_ids for o in llm.generate(prompts, _greedy(6))]
+    limit, failures = 40, []
+    real_launch = llm.engine.runner.launch
+
+    def small_device(batch, publish=False):
+        prompt_tokens = sum(len(s.token_ids) for s in batch.seqs if len(s.token_ids) > 1)
+        if prompt_tokens > limit:
+            failures.append(prompt_tokens)
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real_launch(batch, publish)
+
+    llm.engine.runner.launch = small_device
+    outs = llm.generate(prompts, _greedy(6)) + llm.generate(prompts, _greedy(6))
+    assert [o.token_ids for o in outs] == expected * 2 and all(o.finish_reason == "length" for o in outs)
+    cap = llm.engine.scheduler.prompt_token_cap
+    assert cap is not None and cap <= limit
+    assert failures and failures == sorted(failures, reverse=True) and len(failures) <= 3  # halved until it fit
+    assert _pages_all_free(llm)
+
+
 def test_incremental_detokenization_equals_full_decode(llm):
     text = "Héllo wörld — 你好, emoji 🙂 done."
     ids = llm.tokenizer.encode(text)
