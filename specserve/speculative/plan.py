@@ -22,7 +22,8 @@ While the gate is shut the draft head follows no decode step; in steps with prom
 only if drafting pays for the batch they join (`drafting_pays`, whatever the gate's last answer, which was
 for the last decode step's batch, at the end of a wave a small one). The first drafting step catches it up on
 all its requests missed (prompts included): its time beyond a drafting step's and the plain step before it (under
-overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's. It grows
+overlap scheduling it waits for that one) is measured per bucket and taken as the next probe's (before
+that, a smaller bucket's, scaled by the batch). It grows
 with the spell until the spell outlasts the requests, so after a cheap first probe of drafting the spacing
 grows too, up to `max_probe_every`; a probe of plain decode, a short spell, is charged its catch-up all the
 same.
@@ -346,13 +347,23 @@ class AdaptivePlan:
         over the winner's and g its speed over the winner's, r * (1 - g). Either probe also pays the head's
         catch-up, as long as the last one: a probe of drafting starts with it, a probe of plain decode
         leaves the head behind, and the drafting step after it catches up."""
-        switch = self.switch_cost.get(size, 0.0)
+        switch = self._switch_cost(size)
         if gain > 1:  # plain decode is probed: r = t_plain / t_draft, g = 1 / gain
             loss = (self.config.probe_len + 1) * (1 - 1 / gain) * plain / draft + switch / draft
         else:
             loss = (self.config.probe_len + 1) * draft / plain * (1 - gain) + switch / plain
         spacing = loss / self.config.probe_budget
         return int(min(max(self.config.probe_every, spacing), self.config.max_probe_every))
+
+    def _switch_cost(self, size: int) -> float:
+        """The head's catch-up when drafting resumes in this bucket: measured, or until then the nearest smaller
+        bucket's scaled by the batch (it catches up on every request's missed tokens). Taken as nothing before
+        any was measured, the first probe of a large batch came after a few hundred steps and paid a catch-up of
+        a dozen plain steps three times over."""
+        if size in self.switch_cost:
+            return self.switch_cost[size]
+        smaller = [b for b in self.switch_cost if b < size]
+        return self.switch_cost[max(smaller)] * size / max(smaller) if smaller else 0.0
 
     def _probe(self, size: int, choice: bool, every: int) -> bool:
         """`choice`, unless the other side is due to be measured again, or the side taken last (a probe or

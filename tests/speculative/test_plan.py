@@ -407,3 +407,15 @@ def test_expected_tokens_follow_the_counts_within_a_step():
     fresh = AdaptivePlan(3, chains=(1, 2))
     fresh.position_accept = list(plan.position_accept)
     assert after == [fresh._tokens(a, depth) for depth in (1, 2, 3)]  # the same as computed afresh
+
+
+def test_an_unmeasured_catch_up_is_estimated_from_a_smaller_batchs():
+    # The catch-up grows with the requests that missed tokens: a larger bucket's first probe of drafting is
+    # spaced as if it cost the nearest smaller bucket's, scaled by the batch, not as if it were free.
+    plan = AdaptivePlan(max_drafts=3)
+    plan.switch_cost[128] = 0.15
+    assert plan._switch_cost(128) == 0.15 and plan._switch_cost(64) == 0.0
+    assert plan._switch_cost(256) == pytest.approx(0.30)
+    plain, draft = 0.016, 0.036
+    unknown = AdaptivePlan(max_drafts=3)._probe_interval(0.45, draft, plain, 256)
+    assert plan._probe_interval(0.45, draft, plain, 256) > unknown
