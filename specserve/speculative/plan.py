@@ -157,6 +157,7 @@ class AdaptivePlan:
         # bucket -> seconds the last drafting step right after a plain one took beyond a drafting step and
         # the plain one it waited for (the head's catch-up on the spell)
         self.switch_cost: dict[int, float] = {}
+        self._switch_seen: dict[int, tuple[float, float]] = {}  # bucket -> (switch step's time, plain cost then)
         self.break_even = 0.0  # t_draft / t_plain for this step's requests (0: every request drafts)
         self._expected_tokens: dict[tuple[int, int], float] = {}  # (request id, shape) -> `_tokens`, until `_forget`
 
@@ -409,13 +410,16 @@ class AdaptivePlan:
         # this load: it is kept under the planned bucket.
         key = planned if planned is not None and planned[0] == drafted else (drafted, bucket(batch_size))
         after_plain = self._observed is not None and not self._observed[0]
-        if planned == key and drafted and after_plain and key in self.cost:
-            # Beyond a drafting step it also waited for the plain step in flight, under overlap scheduling.
-            extra = seconds - self.cost[key] - self.cost.get((False, self._observed[1]), 0.0)
-            self.switch_cost[key[1]] = max(0.0, extra)
+        if planned == key and drafted and after_plain:
+            # Beyond a drafting step it also waited for the plain step in flight, under overlap scheduling. The
+            # bucket's first switch comes before its drafting cost is known: it is settled once that is.
+            self._switch_seen[key[1]] = (seconds, self.cost.get((False, self._observed[1]), 0.0))
         if planned == key and self._streak >= 2:
             self.cost[key] = _keep(self._times, key, seconds, self.config.window)
             self._samples[key] = self._samples.get(key, 0) + 1
+        if drafted and key[1] in self._switch_seen and key in self.cost:
+            switched, plain = self._switch_seen.pop(key[1])
+            self.switch_cost[key[1]] = max(0.0, switched - self.cost[key] - plain)
         shape = (self.shape, key[1]) if planned == key and drafted else None
         if shape is not None and self.choosing and self._last_shape == shape and self._streak >= 2:
             self.shape_cost[shape] = _keep(self._shape_times, shape, seconds, self.config.window)

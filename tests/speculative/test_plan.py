@@ -419,3 +419,26 @@ def test_an_unmeasured_catch_up_is_estimated_from_a_smaller_batchs():
     plain, draft = 0.016, 0.036
     unknown = AdaptivePlan(max_drafts=3)._probe_interval(0.45, draft, plain, 256)
     assert plan._probe_interval(0.45, draft, plain, 256) > unknown
+
+
+def test_a_buckets_first_catch_up_is_measured_once_its_drafting_cost_is_known():
+    # A bucket whose drafting borrowed a smaller one's verdict runs plain; its first probe of drafting catches
+    # the head up before its drafting cost is known. That catch-up (beyond a drafting step and the plain step
+    # waited for) is the bucket's as soon as a drafting step there is timed, not at the next probe.
+    plan = AdaptivePlan(max_drafts=3)
+    _drive(plan, _requests(64), PLAIN, DRAFT, lambda r: 1.0, steps=300)  # drafting loses at 64
+    requests, spell, catch_up = _requests(100), 0, 500.0
+    for _ in range(3000):
+        drafts = plan.step_drafts(requests)
+        drafted = drafts and any(plan.num_drafts(r) for r in requests)
+        for request in requests:
+            if drafted:
+                request.num_spec_steps += 1
+                plan.observe_acceptance(request, 3, 0)
+        cost = (DRAFT(100) + (catch_up if spell else 0.0)) if drafted else PLAIN(100)
+        spell = 0 if drafted else spell + 1
+        plan.observe_step(drafted, 100, cost)
+        if plan._samples.get((True, 128), 0) >= 1:
+            break
+    assert plan._samples[(True, 128)] == 1
+    assert plan.switch_cost[128] == pytest.approx(catch_up - PLAIN(100))
