@@ -24,7 +24,8 @@
 #   bursty_a, bursty_b  (only when named) issue 47's bursty trace through the server, 8B shape, random head at
 #               simulated tau 3 (TOKENIZER_DIR): plain and static chains 1/3/5; SGLang's tiers and the adaptive plans
 #   moespec     (only when named) issue 46's speculation on a MoE shape: plain, chain and tree at simulated tau 1
-#               and 3 / 4, and the goodput plan, at C = 1, 10, 30, 100, 250 (MOESPEC_MODEL, MOESPEC_TAG, MOESPEC_WAVES)
+#               and 3 / 4, and the goodput plan, at C = 1, 10, 100, 250 (MOESPEC_MODEL, MOESPEC_TAG, MOESPEC_WAVES,
+#               MOESPEC_PART=a|b: its halves)
 #   tp1         this tree against a copy from before tensor parallelism (TP_BASE), bs 1 and C = 1..250
 #   prefix      a shared 2,000-token system prompt before 250 requests, prefix caching on and off (8B shape)
 #   decisions   (only when named) remakes the GEMV decisions shipped for this GPU (benchmarks/gemv_decisions.py)
@@ -219,18 +220,20 @@ if want moe; then
     --setups plain "EAGLE-3 chain 3, simulated tau 3" --out "$OUT/spec_qwen3_30b_a3b_chain_h200.json"
 fi
 # Issue 46's speculation on a MoE shape (MOESPEC_MODEL, default the Qwen3-30B-A3B shape; MOESPEC_TAG names
-# the file), one call: waves of MOESPEC_WAVES x C requests at C = 1, 10, 30, 100, 250 for plain, the static chain of 3
-# and tree 4/5/16 at simulated tau 1 and 3 / 4, and the goodput plan configured for the tree at tau 4 and 1
-# (C = 30 too: with plain, the waves of the issue's vLLM figures).
+# the file): waves of MOESPEC_WAVES x C requests (default 1) at C = 1, 10, 100, 250 for plain, the static chain of 3
+# and tree 4/5/16 at simulated tau 1 and 3 / 4, and the goodput plan configured for the tree at tau 4 and 1.
+# Seven engines take about ten minutes: MOESPEC_PART=a (the first four) or b (the last three) splits them over
+# two calls on the same machine.
 if [[ $modes == *" moespec "* ]]; then  # only when named
   model=${MOESPEC_MODEL:-qwen3-30b-a3b}
   waves_moe=(--device cuda --model-path "$model" --load-format dummy --dtype bfloat16 --context-length 2048
              --chunked-prefill-size 16384 --offline --dataset random --random-input-len 512 --max-tokens 256
-             --ignore-eos --quiet --concurrency 1,10,30,100,250 --waves "${MOESPEC_WAVES:-2}")
-  file="$OUT/moespec_${MOESPEC_TAG:-qwen3_30b}.jsonl"
+             --ignore-eos --quiet --concurrency 1,10,100,250 --waves "${MOESPEC_WAVES:-1}")
+  file="$OUT/moespec_${MOESPEC_TAG:-qwen3_30b}${MOESPEC_PART:+_$MOESPEC_PART}.jsonl"
   rm -f "$file"
-  moespec() {  # LABEL FLAGS...
-    local label=$1; shift
+  moespec() {  # PART LABEL FLAGS...
+    local part=$1 label=$2; shift 2
+    [[ -z ${MOESPEC_PART:-} || $MOESPEC_PART == "$part" ]] || return 0
     python3 -m specserve.cli bench "${waves_moe[@]}" "$@" --label "$label" --out "$OUT/moespec_part.jsonl" \
       && cat "$OUT/moespec_part.jsonl" >> "$file"
   }
@@ -239,13 +242,13 @@ if [[ $modes == *" moespec "* ]]; then  # only when named
     echo --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 4 \
       --speculative-num-draft-tokens 16 --speculative-simulate-accept-len "$1"
   }
-  moespec "plain"
-  moespec "chain 3 (simulated tau 1)" $(chain_at 1.0)
-  moespec "chain 3 (simulated tau 3)" $(chain_at 3.0)
-  moespec "tree 4/5/16 (simulated tau 1)" $(tree_at 1.0)
-  moespec "tree 4/5/16 (simulated tau 4)" $(tree_at 4.0)
-  moespec "tree 4/5/16 goodput plan (simulated tau 4)" $(tree_at 4.0) "${goodput[@]}"
-  moespec "tree 4/5/16 goodput plan (simulated tau 1)" $(tree_at 1.0) "${goodput[@]}"
+  moespec a "plain"
+  moespec a "chain 3 (simulated tau 1)" $(chain_at 1.0)
+  moespec a "chain 3 (simulated tau 3)" $(chain_at 3.0)
+  moespec a "tree 4/5/16 (simulated tau 1)" $(tree_at 1.0)
+  moespec b "tree 4/5/16 (simulated tau 4)" $(tree_at 4.0)
+  moespec b "tree 4/5/16 goodput plan (simulated tau 4)" $(tree_at 4.0) "${goodput[@]}"
+  moespec b "tree 4/5/16 goodput plan (simulated tau 1)" $(tree_at 1.0) "${goodput[@]}"
   rm -f "$OUT"/moespec_part.*
 fi
 if want prefix; then
