@@ -20,6 +20,7 @@ the step's own thread, the masks were done before that thread came back from it.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from functools import partial
@@ -41,24 +42,36 @@ _fill_pool_lock = threading.Lock()
 
 
 def run_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:
-    """Each job's result, in order. Jobs that each touch one request's grammar run in contiguous shares on a
-    pool of host threads (xgrammar's mask fills release the GIL), so the masks of a large batch take a
-    fraction of the time one thread needs; few jobs, or one host core, run in the caller's thread."""
+    """Each job's result, in order. Jobs that each touch one request's grammar run on a pool of host threads
+    (xgrammar's mask fills release the GIL), so the masks of a large batch take a fraction of the time one
+    thread needs; few jobs, or one host core, run in the caller's thread. Each thread takes the next job not
+    yet taken: a fill inside a length-bounded string takes milliseconds where most take microseconds, and in
+    fixed shares the jobs behind such a fill would wait for it."""
     if len(jobs) < PARALLEL_MIN_JOBS or _FILL_THREADS == 1:
         return [job() for job in jobs]
     global _fill_pool
     with _fill_pool_lock:
         if _fill_pool is None:
             _fill_pool = ThreadPoolExecutor(_FILL_THREADS, thread_name_prefix="grammar-fill")
-    size = -(-len(jobs) // _FILL_THREADS)
-    futures = [_fill_pool.submit(_run_share, jobs[i: i + size]) for i in range(0, len(jobs), size)]
-    # Every share ends before a failure is raised: a step given up must leave no thread on its grammars.
+    results: list = [None] * len(jobs)
+    taken, failed = itertools.count(), threading.Event()
+    futures = [_fill_pool.submit(_take_jobs, jobs, results, taken, failed)
+               for _ in range(min(_FILL_THREADS, len(jobs)))]
+    # Every thread stops before a failure is raised: a step given up must leave no thread on its grammars.
     wait(futures)
-    return [result for future in futures for result in future.result()]
+    for future in futures:
+        future.result()
+    return results
 
 
-def _run_share(jobs: Sequence[Callable[[], T]]) -> list[T]:
-    return [job() for job in jobs]
+def _take_jobs(jobs: Sequence[Callable[[], T]], results: list, taken, failed: threading.Event) -> None:
+    """Runs the next job not taken (`taken`: a shared counter) until none is left or one has failed."""
+    while not failed.is_set() and (index := next(taken)) < len(jobs):
+        try:
+            results[index] = jobs[index]()
+        except BaseException:
+            failed.set()
+            raise
 
 
 class QueuedWork:

@@ -172,6 +172,30 @@ def test_a_failed_fill_is_raised_once_every_thread_is_done(monkeypatch):
     jobs = [fail] + [lambda i=i: slow(i) for i in range(step_masks.PARALLEL_MIN_JOBS)]
     with pytest.raises(RuntimeError, match="bad grammar"):
         step_masks.run_jobs(jobs)
-    # The failing share stops at its first job; the other shares run to their ends.
-    share = -(-len(jobs) // 3)
-    assert sorted(done) == list(range(share - 1, step_masks.PARALLEL_MIN_JOBS))
+    # Once a job fails no thread takes another; the jobs already taken end before the failure is raised.
+    finished = sorted(done)
+    time.sleep(0.2)
+    assert sorted(done) == finished and len(finished) < step_masks.PARALLEL_MIN_JOBS
+
+
+def test_a_long_fill_does_not_hold_the_jobs_behind_it(monkeypatch):
+    """Threads take the next job not taken: two long fills side by side run on two threads, and the short
+    jobs go to the threads that are free."""
+    import threading
+    import time
+
+    from specserve.structured import step_masks
+
+    monkeypatch.setattr(step_masks, "_FILL_THREADS", 3)
+    monkeypatch.setattr(step_masks, "_fill_pool", None)
+    ran_on = {}
+
+    def job(i, seconds):
+        time.sleep(seconds)
+        ran_on[i] = threading.get_ident()
+        return i
+    jobs = [lambda i=i: job(i, 0.3 if i < 2 else 0.001) for i in range(step_masks.PARALLEL_MIN_JOBS + 8)]
+    assert step_masks.run_jobs(jobs) == list(range(len(jobs)))
+    assert ran_on[0] != ran_on[1]
+    short_threads = {ran_on[i] for i in range(2, len(jobs))}
+    assert ran_on[0] not in short_threads or ran_on[1] not in short_threads
