@@ -49,15 +49,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin,
-                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr, NORM_W, eps, NORM: tl.constexpr):
-    """Rotates token t's heads; NORM: RMS-normalises each head first (weight NORM_W), rounded where
-    _rms_norm_kernel rounds, its sum of squares taken in two halves (Qwen3's q and k norms)."""
+                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr, NORM_W, eps, NORM: tl.constexpr,
+                  INTERLEAVED: tl.constexpr):
+    """Rotates token t's heads, written as halves; NORM: RMS-normalises each head first (weight NORM_W), rounded
+    where _rms_norm_kernel rounds, its sum of squares taken in two halves (Qwen3's q and k norms). INTERLEAVED:
+    X holds the rotary pairs as (x0, x1), (x2, x3) (DeepSeek's), taken as halves first."""
     d = tl.arange(0, HALF)
     h = tl.arange(0, HEADS_PAD)
     ok = (h < HEADS)[:, None]
-    x_offs = t * stride_xt + h[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(X + x_offs, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_offs + HALF, mask=ok, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        first, second = 2 * d, 2 * d + 1
+    else:
+        first, second = d, d + HALF
+    x_row = X + t * stride_xt + h[:, None] * stride_xh
+    x1 = tl.load(x_row + first[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + second[None, :], mask=ok, other=0.0).to(tl.float32)
     if NORM:
         dtype = OUT.dtype.element_ty
         scale = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
@@ -83,7 +89,7 @@ def _rotary_kernel(X, OUT, POSITIONS, COS_SIN, stride_xt, stride_xh, stride_ot, 
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(COS_SIN, tl.load(POSITIONS + t), stride_cs, HALF)
     _rotate_heads(X, OUT, t, stride_xt, stride_xh, stride_ot, stride_oh, HEADS, cos, sin, HALF, HEADS_PAD, X, 0.0,
-                  False)
+                  False, False)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -230,12 +236,12 @@ def _rotary_store_kernel(Q, K, V, Q_OUT, K_OUT, CACHE, POSITIONS, SLOTS, COS_SIN
     cos, sin = _cos_sin(COS_SIN, pos, stride_cs, HALF)
     d = tl.arange(0, HALF)
     _rotate_heads(Q, Q_OUT, t, stride_qt, stride_qh, stride_qot, stride_qoh, HEADS, cos, sin, HALF, HEADS_PAD,
-                  Q_NORM_W, eps, NORM)
+                  Q_NORM_W, eps, NORM, False)
     _rotate_heads(K, K_OUT, t, stride_kt, stride_kh, stride_kot, stride_koh, KV_HEADS, cos, sin, HALF, KV_PAD,
-                  K_NORM_W, eps, NORM)
+                  K_NORM_W, eps, NORM, False)
     # The rotated keys go to the cache too (a head's slot row is contiguous, heads one after another).
     _rotate_heads(K, CACHE + slot * stride_slot, t, stride_kt, stride_kh, 0, 2 * HALF, KV_HEADS, cos, sin,
-                  HALF, KV_PAD, K_NORM_W, eps, NORM)
+                  HALF, KV_PAD, K_NORM_W, eps, NORM, False)
     h = tl.arange(0, KV_PAD)
     ok = (h < KV_HEADS)[:, None]
     for half in tl.static_range(2):
@@ -287,24 +293,11 @@ def _mla_rotary_store_kernel(Q_PE, LATENT, NORM_W, Q_OUT, CACHE, POSITIONS, SLOT
     c = tl.load(LATENT + t * stride_lt + r).to(tl.float32)
     normed = (c * tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)).to(dtype).to(tl.float32)
     tl.store(CACHE + slot * stride_slot + r, (tl.load(NORM_W + r).to(tl.float32) * normed).to(dtype))
-    d = tl.arange(0, HALF)
-    if INTERLEAVED:
-        first, second = 2 * d, 2 * d + 1
-    else:
-        first, second = d, d + HALF
-    k1 = tl.load(LATENT + t * stride_lt + RANK + first)[None, :].to(tl.float32)
-    k2 = tl.load(LATENT + t * stride_lt + RANK + second)[None, :].to(tl.float32)
-    k_row = CACHE + slot * stride_slot + RANK + d[None, :]
-    tl.store(k_row, (k1 * cos - k2 * sin).to(dtype))
-    tl.store(k_row + HALF, (k2 * cos + k1 * sin).to(dtype))
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    ok = h < HEADS
-    q_row = Q_PE + t * stride_qt + h * stride_qh
-    q1 = tl.load(q_row + first[None, :], mask=ok, other=0.0).to(tl.float32)
-    q2 = tl.load(q_row + second[None, :], mask=ok, other=0.0).to(tl.float32)
-    out_row = Q_OUT + t * stride_ot + h * stride_oh + RANK + d[None, :]
-    tl.store(out_row, (q1 * cos - q2 * sin).to(dtype), mask=ok)
-    tl.store(out_row + HALF, (q2 * cos + q1 * sin).to(dtype), mask=ok)
+    # k_pe, one head shared by all, rotated straight into the cache row; each head's q_pe into Q_OUT's last columns.
+    _rotate_heads(LATENT + RANK, CACHE + slot * stride_slot + RANK, t, stride_lt, 0, 0, 0, 1, cos, sin, HALF, 1,
+                  NORM_W, eps, False, INTERLEAVED)
+    _rotate_heads(Q_PE, Q_OUT + RANK, t, stride_qt, stride_qh, stride_ot, stride_oh, HEADS, cos, sin, HALF,
+                  HEADS_PAD, NORM_W, eps, False, INTERLEAVED)
 
 
 def mla_rotary_store(positions: torch.Tensor, cos_sin: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
