@@ -61,23 +61,12 @@ def spec_configs(head: str | None, tree: tuple[int, int, int]) -> list[tuple[str
             (f"EAGLE-3 tree topk {topk} steps {steps} tokens {tokens}", SpecConfig("EAGLE3", head, steps, topk, tokens))]
 
 
-def run_batch(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, float]:
-    """The outputs, and the decode time: from the step at which every request has its first token to the
-    end, so prompt work (and what the prefix cache saves of it) stays out."""
-    trackers = [llm.add(p, q) for p, q in zip(prompts, params)]
-    decoding_since = None
-    while llm.engine.has_work():
-        llm.step_and_track(trackers)
-        if decoding_since is None and all(t.output.token_ids for t in trackers):
-            decoding_since = time.perf_counter()
-    return [t.output for t in trackers], time.perf_counter() - decoding_since
-
-
 def run_concurrent(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
                    ) -> tuple[list, float]:
-    """The requests with `concurrency` in flight, each one that finishes replaced by the next, as a serving
-    load keeps them; the outputs in order, and the time from the step at which the first `concurrency` have
-    their first token to the end (later arrivals' prompts are in it, as under load)."""
+    """The requests with `concurrency` in flight (all of them: one batch), each one that finishes replaced by the
+    next, as a serving load keeps them; the outputs in order, and the time from the step at which the first
+    `concurrency` have their first token to the end: prompt work stays out of a single batch's, while later
+    arrivals' prompts are in it, as under load."""
     trackers, active, waiting = [], [], list(zip(prompts, params))
     decoding_since = None
     while waiting or active:
@@ -103,10 +92,7 @@ def measure(llm: LLM, prompts: list[list[int]], schemas: list[dict], constrained
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                  constraint=Constraint("json_schema", json.dumps(s)) if constrained else None)
                   for s in schemas]
-    if batch_size is None:
-        outputs, seconds = run_batch(llm, prompts, params)
-    else:
-        outputs, seconds = run_concurrent(llm, prompts, params, batch_size)
+    outputs, seconds = run_concurrent(llm, prompts, params, batch_size or len(prompts))
     tokens = sum(len(o.token_ids) for o in outputs)
     steps = sum(o.num_spec_steps for o in outputs)
     decoded = tokens - len(outputs)  # each request's first token comes with its prompt
