@@ -36,7 +36,8 @@ def test_moe_decode_gemvs_compile_for_sm90(kernel, route):
     fn = getattr(moe_decode, kernel)
     tile = moe_decode.DEFAULT_TILES[0 if kernel == "_gate_up_kernel" else 1]
     # Qwen3-30B-A3B's expert shapes, with PDL as a Hopper launch takes it.
-    constants = dict(I=768, H=2048, TOPK=8, E=128, E_POW2=128, ROUTE=route, RENORMALIZE=True, NORM=route, ADD=True,
+    constants = dict(I=768, H=2048, TOPK=8, TOPK_POW2=8, E=128, E_POW2=128, ROUTE=route, RENORMALIZE=True,
+                     NORM=route, ADD=True,
                      BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=True)
     types = dict(X="*bf16", W13="*bf16", W2="*bf16", ACT="*bf16", OUT="*bf16", RES="*bf16", IDS="*i64",
                  WEIGHTS="*fp32", LOGITS="*bf16", GAMMA="*bf16", eps="fp32")

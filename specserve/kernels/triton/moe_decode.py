@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.triton import pdl as triton_pdl
+from specserve.kernels.triton.moe_routing import softmax_topk_row
 from specserve.kernels.triton.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -50,33 +51,9 @@ def tiles(text: str = "") -> tuple[GemvTile, GemvTile]:
 
 
 @triton.jit
-def _softmax_choice(LOGITS, j, E: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr,
-                    RENORMALIZE: tl.constexpr):
-    """The j-th of a token's top-k experts by softmax of its logits, and its weight, as
-    moe_routing._softmax_topk_kernel chooses them (ties to the lower id)."""
-    experts = tl.arange(0, E_POW2)
-    logits = tl.load(LOGITS + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, axis=0))
-    probs = probs / tl.sum(probs, axis=0)
-    expert = tl.argmax(probs, axis=0)
-    weight = tl.max(probs, axis=0)
-    total = weight
-    probs = tl.where(experts == expert, -1.0, probs)
-    for r in tl.static_range(1, TOPK):
-        best = tl.argmax(probs, axis=0)
-        p = tl.max(probs, axis=0)
-        total += p
-        expert = tl.where(j == r, best, expert)
-        weight = tl.where(j == r, p, weight)
-        probs = tl.where(experts == best, -1.0, probs)
-    if RENORMALIZE:
-        weight = weight / total
-    return tl.minimum(expert, E - 1), weight  # a row of NaN logits must not send a pair past the last expert
-
-
-@triton.jit
 def _gate_up_kernel(X, W13, ACT, IDS, WEIGHTS, LOGITS, GAMMA, stride_x, stride_we, stride_wn, stride_l, eps,
-                    I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
+                    I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr,
+                    E: tl.constexpr, E_POW2: tl.constexpr,
                     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """ACT[pair, rows] = silu(x W_gate^T) * (x W_up^T) for the pair's token and expert. ROUTE: the expert (and
@@ -87,7 +64,10 @@ def _gate_up_kernel(X, W13, ACT, IDS, WEIGHTS, LOGITS, GAMMA, stride_x, stride_w
     if PDL:
         gdc_wait()
     if ROUTE:
-        expert, weight = _softmax_choice(LOGITS + token * stride_l, pair % TOPK, E, E_POW2, TOPK, RENORMALIZE)
+        weights, ids = softmax_topk_row(LOGITS + token * stride_l, E, E_POW2, TOPK, TOPK_POW2, RENORMALIZE)
+        this_pair = tl.arange(0, TOPK_POW2) == pair % TOPK
+        expert = tl.sum(tl.where(this_pair, ids, 0), axis=0)
+        weight = tl.sum(tl.where(this_pair, weights, 0.0), axis=0)
         if tl.program_id(1) == 0:
             tl.store(IDS + pair, expert.to(tl.int64))
             tl.store(WEIGHTS + pair, weight)
@@ -179,9 +159,9 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, topk_ids: torch.Tens
         gamma, eps = norm if norm is not None else (x, 0.0)  # (unread without NORM)
         _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, tile.block_n))](
             x, w13, act, ids, weights if route else ids, logits, gamma, x.stride(0), w13.stride(0), w13.stride(1),
-            stride_l, eps, I=inter, H=hidden, TOPK=top_k, E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
-            ROUTE=route, RENORMALIZE=renormalize, NORM=norm is not None, BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k, num_warps=tile.warps, **triton_pdl.launch_options(x))
+            stride_l, eps, I=inter, H=hidden, TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), E=num_experts,
+            E_POW2=triton.next_power_of_2(num_experts), ROUTE=route, RENORMALIZE=renormalize, NORM=norm is not None,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, **triton_pdl.launch_options(x))
     return act, ids, weights
 
 

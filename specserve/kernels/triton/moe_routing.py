@@ -1,5 +1,7 @@
 """The small steps around the expert GEMMs of kernels/triton/fused_moe.py, one launch each: softmax top-k
-routing, DeepSeek-V3's grouped sigmoid top-k, laying token-expert pairs out by expert, and the weighted sum of each token's expert outputs.
+routing, DeepSeek-V3's grouped sigmoid top-k, laying token-expert pairs out by expert, and the weighted sum of
+each token's expert outputs. The softmax routing of one token (`softmax_topk_row`) is also what
+kernels/triton/moe_decode.py's programs route with.
 
 In PyTorch these are a dozen tiny ops a layer (sort, scan, search, index, fill, ...). At decode sizes each op
 costs a launch's worth of device time, and together they cost more than reading the touched experts' weights.
@@ -14,24 +16,35 @@ MAX_PAIRS = 4096  # token-expert pairs the one-launch layout takes; above, the P
 
 
 @triton.jit
-def _softmax_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr,
-                         RENORMALIZE: tl.constexpr):
-    """One token: softmax over its E router logits in fp32, then the K largest, largest first."""
-    token = tl.program_id(0)
+def softmax_topk_row(LOGITS, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
+                     RENORMALIZE: tl.constexpr):
+    """One token's routing: softmax over its E router logits in fp32, then the K largest, largest first, ties
+    to the lower id; renormalised to sum to one where RENORMALIZE. Returns (weights, ids), [K_POW2] each, the
+    slots past K zero. An id stays below E even for a row of NaN logits, which no pair may follow out."""
     experts = tl.arange(0, E_POW2)
-    logits = tl.load(LOGITS + token * stride_l + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
+    logits = tl.load(LOGITS + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
-    slots = tl.arange(0, K)
-    weights = tl.zeros([K], tl.float32)
-    ids = tl.zeros([K], tl.int64)
+    slots = tl.arange(0, K_POW2)
+    weights = tl.zeros([K_POW2], tl.float32)
+    ids = tl.zeros([K_POW2], tl.int64)
     for j in tl.static_range(K):
         best = tl.argmax(probs, axis=0)
         weights = tl.where(slots == j, tl.max(probs, axis=0), weights)
-        ids = tl.where(slots == j, best.to(tl.int64), ids)
+        ids = tl.where(slots == j, tl.minimum(best, E - 1).to(tl.int64), ids)
         probs = tl.where(experts == best, -1.0, probs)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
+    return weights, ids
+
+
+@triton.jit
+def _softmax_topk_kernel(LOGITS, WEIGHTS, IDS, stride_l, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr,
+                         RENORMALIZE: tl.constexpr):
+    """One token's `softmax_topk_row`, stored."""
+    token = tl.program_id(0)
+    weights, ids = softmax_topk_row(LOGITS + token * stride_l, E, E_POW2, K, K, RENORMALIZE)
+    slots = tl.arange(0, K)
     tl.store(WEIGHTS + token * K + slots, weights)
     tl.store(IDS + token * K + slots, ids)
 
