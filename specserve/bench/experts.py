@@ -14,6 +14,7 @@ from torch import nn
 
 from specserve.config import EngineConfig
 from specserve.layers.moe import ExpertCounts, FusedExperts
+from specserve.speculative.plan import expert_reads
 
 # What a report's `experts_touched` setting says: the module's second paragraph.
 NOTE = __doc__.split("\n\n")[1].replace("\n", " ")
@@ -58,12 +59,6 @@ def describe(touched: dict[str, dict]) -> str:
         if kind != "other")
 
 
-def uniform_distinct(num_experts: int, top_k: int, rows: int) -> float:
-    """The distinct experts `rows` tokens touch on average when each picks top_k of num_experts uniformly at
-    random (exact for one row: top_k)."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
-
-
 def step_weight_bytes(model: nn.Module, distinct_per_layer: float) -> dict[str, int]:
     """The weight bytes a decode step reads: every parameter but the routed experts and an untied embedding
     table (a step reads one row of it), plus `distinct_per_layer` experts of each MoE layer."""
@@ -86,10 +81,9 @@ def bandwidth_row(llm, batch: int, decode_tok_s: float, touched: dict | None) ->
     routing gives (random weights route near-uniformly; exact at batch 1). Each distinct expert counts once: a
     lower bound where the pair GEMVs (a few rows) read an expert two rows share twice."""
     model = llm.engine.runner.model
-    moe = llm.model_info.model_cfg.moe
     counted = (touched or {}).get("decode")
     distinct = (counted["mean_distinct_experts_per_layer"] if counted
-                else uniform_distinct(moe.num_experts, moe.top_k, batch))
+                else expert_reads(llm.model_info.model_cfg).distinct(batch))
     weights = step_weight_bytes(model, distinct)
     return {"distinct_experts_per_layer": round(distinct, 2),
             "distinct_experts_from": "counted" if counted else "uniform routing",
