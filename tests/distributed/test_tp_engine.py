@@ -92,6 +92,10 @@ def test_speculation_with_two_ranks_is_lossless(tmp_path, tiny_checkpoint, switc
     assert not policy or len(engine.runner.program.chains) > 1  # chains of several depths beside the tree
     engine.overlap = overlap
     prompts = make_prompts(512, seed=4)
+    if policy:  # step times from a cost model, not the machine's clock: drafting pays, deeper shapes cost more
+        plan, observe = engine.observer, engine.observer.observe_step
+        engine.observer.observe_step = lambda drafted, size, seconds: observe(
+            drafted, size, 1.0 + (0.01 * (plan.shape + 1) * size if drafted else 0.0))
     if policy and not program:  # every step drafts a tree, pruned at a floor drawn per request and step
         rng = random.Random(1)
         engine.scheduler.draft_gate = lambda requests: True
