@@ -6,11 +6,13 @@ and the HTTP front-end turn into a refused request.
 """
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import Callable
 
 from specserve.core import Constraint
+from specserve.structured.schema_support import unsupported_keyword
 
 # Distinct constraints whose compiled grammars stay cached (each is a few kilobytes to a few megabytes).
 DEFAULT_CACHE_SIZE = 256
@@ -55,6 +57,8 @@ class Grammars:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _compile(self, constraint: Constraint):
+        if constraint.kind == "json_schema":
+            _check_supported(constraint.text)
         compiler = self._get_compiler()
         try:
             if constraint.kind == "json_object":
@@ -86,6 +90,16 @@ class Grammars:
 # strings (parsers refuse such output), as xgrammar's unbounded strings do.
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _check_supported(schema_text: str) -> None:
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return  # xgrammar names what is wrong with the text
+    problem = unsupported_keyword(schema)
+    if problem is not None:
+        raise ValueError(f"unsupported json schema: {problem}")
 
 
 def _json_grammar(schema: str):

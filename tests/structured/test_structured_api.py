@@ -56,6 +56,10 @@ def test_completions_json_object_and_sglang_fields(client):
 @pytest.mark.parametrize("extra, param, words", [
     ({"response_format": _schema_format({"type": "object", "properties": {"a": {"type": "nonsense"}}})},
      "response_format", "invalid json schema"),
+    ({"response_format": _schema_format({"type": "object", "properties": {"t": {"uniqueItems": True}}})},
+     "response_format", "unsupported json schema: 'uniqueItems' is not supported at /properties/t"),
+    ({"json_schema": json.dumps({"type": "number", "multipleOf": 0.5})}, "json_schema",
+     "'multipleOf' is supported on integers only"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs a \"json_schema\" object"),
     ({"response_format": {"type": "yaml"}}, "response_format", "response_format type must be"),
     ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
