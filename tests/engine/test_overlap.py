@@ -28,8 +28,9 @@ def _pages_all_free(engine) -> bool:
     return alloc.num_free == alloc.num_pages
 
 
-def test_greedy_with_overlap_matches_transformers_under_preemption(tiny_checkpoint):
-    path = tiny_checkpoint("llama", False)
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "deepseek-v3"])
+def test_greedy_with_overlap_matches_transformers_under_preemption(tiny_checkpoint, kind):
+    path = tiny_checkpoint(kind, False)
     prompts = make_prompts(512)
     engine = _engine(tight_config(str(path), max_total_tokens=200), overlap=True)
     ours, _ = run_staggered(engine, prompts)
@@ -166,10 +167,12 @@ def test_prefill_chunks_and_usage_counts_step_by_step_match_the_synchronous_engi
     assert [count for _, count, _ in runs[0]] == list(range(1, 10))
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE3", "DRAFT_MODEL"])
-def test_steps_that_draft_read_back_first_and_the_rest_overlap(tiny_checkpoint, tmp_path, algorithm):
+@pytest.mark.parametrize("kind,algorithm", [("llama", "EAGLE3"), ("llama", "DRAFT_MODEL"), ("qwen3-moe", "EAGLE3"),
+                                            ("deepseek-v3", "EAGLE3")])
+def test_steps_that_draft_read_back_first_and_the_rest_overlap(tiny_checkpoint, tmp_path, kind, algorithm):
     """Speculation configured with a plan that drafts on some steps only: the other steps overlap, and a
-    drafting step first reads the step in flight back; greedy output still equals HF, under preemption."""
+    drafting step first reads the step in flight back; greedy output still equals HF, under preemption (the
+    MoE and MLA targets too)."""
     import random
     from dataclasses import replace
 
@@ -177,7 +180,7 @@ def test_steps_that_draft_read_back_first_and_the_rest_overlap(tiny_checkpoint, 
 
     from specserve.config import SpecConfig
 
-    path = tiny_checkpoint("llama", True)
+    path = tiny_checkpoint(kind, True)
     draft = write_peaked_random_head(path, tmp_path) if algorithm == "EAGLE3" else path
     config = replace(tight_config(str(path), max_total_tokens=200), spec=SpecConfig(algorithm, str(draft), 3))
     engine = _engine(config, overlap=True)
