@@ -195,9 +195,11 @@ def run_offline(engine_config, args: argparse.Namespace) -> list[dict]:
 
 
 def _kv_pool(stats, page_size: int) -> dict:
-    """The KV pool: the tokens it holds, the bytes the target keeps a token (MLA: its latent), and the pages
-    still used after the wave (by the prefix cache's pages only, where it is on)."""
+    """The KV pool: the tokens it holds, the bytes the target keeps a token (MLA: its latent, beside what
+    expanded keys and values would take), and the pages still used after the wave (by the prefix cache's
+    pages only, where it is on)."""
     return {"tokens": stats.pages_total * page_size, "target_bytes_per_token": stats.kv_bytes_per_token,
+            "dense_bytes_per_token": stats.dense_kv_bytes_per_token,
             "pages_used_after_wave": stats.pages_used, "prefix_cached_pages": stats.prefix_cached_pages}
 
 

@@ -77,6 +77,7 @@ class EngineStats:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_cached_pages: int = 0
+    dense_kv_bytes_per_token: int = 0  # kv_bytes_per_token with keys and values expanded per head (MLA's foil)
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class StepObserver(Protocol):
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, eos_token_ids: tuple[int, ...],
                  overlap: bool = False, observer: StepObserver | None = None, vocab_size: int | None = None,
-                 grammars=None) -> None:
+                 grammars=None, dense_kv_bytes_per_token: int = 0) -> None:
         self.scheduler = scheduler
+        self._dense_bytes_per_token = dense_kv_bytes_per_token
         self.vocab_size = vocab_size  # token ids past it have no embedding: refused at admission
         self.runner = runner
         self.grammars = grammars  # structured.grammar.Grammars: compiles constraints (None: refused)
@@ -336,7 +338,7 @@ class EngineCore:
                            s.num_preemptions, s.draft_plan is not None and s.drafting_allowed,
                            kv[:, :, 0].numel() * kv.element_size(),
                            cache.queried_tokens if cache else 0, cache.hit_tokens if cache else 0,
-                           s.allocator.num_cached)
+                           s.allocator.num_cached, self._dense_bytes_per_token)
 
     def _postprocess(self, batch: StepBatch, sampled: list[list[int]], requests: list[Request] | None = None,
                      reserve: int = 0, logprobs: list[list[TokenLogprob] | None] | None = None,

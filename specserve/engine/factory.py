@@ -25,7 +25,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.tp_worker import StepSender, TargetForDrafting
 from specserve.kv.pages import PageAllocator
 from specserve.kv.prefix import PrefixCache
-from specserve.kv.pool import allocate_kv_cache, kv_bytes_per_token, plan_num_pages
+from specserve.kv.pool import allocate_kv_cache, dense_kv_bytes_per_token, kv_bytes_per_token, plan_num_pages
 from specserve.layers.attention import decode_kernel_takes
 from specserve.models.loader import build_model
 from specserve.models.registry import model_config
@@ -171,8 +171,10 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
     pad_page = use_graphs or (algorithm is not None and algorithm.needs_pad_page(config, device))
     kv_cache = allocate_kv_cache(rank_cfg, (num_pages + pad_page) * page_size + scratch, dtype, device)
     num_slots = num_pages * page_size
-    log.info("KV pool: %d tokens, %d bytes per token (the target's %s: %d)", num_slots, per_token,
-             "latent" if model_cfg.mla else "keys and values", target_per_token)
+    dense_per_token = dense_kv_bytes_per_token(rank_cfg, dtype)
+    log.info("KV pool: %d tokens, %d bytes per token (the target's %s: %d%s)", num_slots, per_token,
+             "latent" if model_cfg.mla else "keys and values", target_per_token,
+             f"; expanded keys and values would be {dense_per_token}" if model_cfg.mla else "")
     rng = random.Random(config.random_seed)  # simulated acceptance's draws, in program and general path alike
     speculator = None
     if algorithm is not None:
@@ -213,7 +215,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True, record_layers
     eos = tuple(dict.fromkeys(eos))
     engine = EngineCore(scheduler, runner, eos, overlap, adaptive, model_cfg.vocab_size,
                         _grammars(resolved.tokenizer_dir, model_cfg.vocab_size, eos) if ranks is None else
-                        NoGrammarsUnderTP())
+                        NoGrammarsUnderTP(), dense_per_token)
     return engine, resolved
 
 

@@ -12,6 +12,15 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.num_layers * planes * heads * dim * torch.empty((), dtype=dtype).element_size()
 
 
+def dense_kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """What a cache of keys and values expanded per head would keep per token, every layer: the figure to set
+    beside MLA's latent (a dense model's own figure otherwise)."""
+    if cfg.mla is None:
+        return kv_bytes_per_token(cfg, dtype)
+    widths = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim + cfg.mla.v_head_dim  # a head's key and value
+    return cfg.num_layers * cfg.num_heads * widths * torch.empty((), dtype=dtype).element_size()
+
+
 def plan_num_pages(per_token: int, cache: CacheConfig, free_bytes: int) -> int:
     """Pages that fit in `mem_fraction_static` of free memory, capped by `max_total_tokens`. `per_token` sums
     what every pool with the target's page layout keeps per token (the target's KV, a drafter's KV and taps)."""

@@ -111,6 +111,7 @@ def test_offline_mode_reports_the_step_breakdown(tiny_chat_model, tmp_path):
     for r in records:  # --waves 2: twice C requests
         assert r["total_output_tokens"] == 2 * r["concurrency"] * 12 and r["errors"] == 0
         assert 4096 - 16 <= r["kv_pool"]["tokens"] <= 4096 and r["kv_pool"]["target_bytes_per_token"] > 0
+        assert r["kv_pool"]["dense_bytes_per_token"] == r["kv_pool"]["target_bytes_per_token"]  # not MLA
         steps = r["step_ms"]
         assert set(steps) >= {"schedule", "draft", "prepare", "forward", "sample", "postprocess", "host_only"}
         assert steps["host_only"] == pytest.approx(steps["schedule"] + steps["prepare"] + steps["postprocess"])
@@ -249,3 +250,27 @@ def test_the_structured_bench_host_profile_ranks_functions_by_their_own_time():
     rows = host_profile(run, top=5)
     assert len(rows) <= 5 and rows[0]["function"].endswith("(<built-in method time.sleep>)")
     assert [r["own_seconds"] for r in rows] == sorted((r["own_seconds"] for r in rows), reverse=True)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "deepseek-v3"])
+def test_offline_sweep_of_a_moe_target_with_a_simulated_tree(tiny_checkpoint, tmp_path, kind):
+    """`specserve bench --offline` on the MoE and MLA targets, drafting a tree (top-2, 3 steps, 6 drafts) with
+    an EAGLE-3 head at simulated τ 3 every step: the records say so, and tokens per step average τ."""
+    from tiny_checkpoints import write_peaked_random_head
+
+    target = tiny_checkpoint(kind, True)
+    write_peaked_random_head(target, tmp_path / "head")
+    out = tmp_path / "moe.jsonl"
+    done = _bench("--offline", "--model", str(target), "--max-total-tokens", "2048", "--concurrency", "1,4",
+                  "--dataset", "random", "--random-input-len", "16", "--max-tokens", "40", "--ignore-eos",
+                  "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path / "head"),
+                  "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                  "--speculative-num-draft-tokens", "6", "--speculative-simulate-accept-len", "3",
+                  "--disable-speculative-adaptive", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["concurrency"] for r in records] == [1, 4]
+    for r in records:
+        assert r["errors"] == 0 and r["acceptance_simulated"] and r["simulated_accept_len"] == 3
+        assert r["mean_acceptance_length"] == pytest.approx(3, rel=0.15)
+        assert r["kv_pool"]["dense_bytes_per_token"] >= r["kv_pool"]["target_bytes_per_token"]

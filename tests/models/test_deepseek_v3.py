@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from specserve.config import SpecConfig
 from specserve.engine.factory import build_engine_core, shipped_config
-from specserve.kv.pool import kv_bytes_per_token
+from specserve.kv.pool import dense_kv_bytes_per_token, kv_bytes_per_token
 from specserve.layers.attention import AttentionMetadata
 from specserve.layers.mla import MultiHeadLatentAttention
 from specserve.layers.rotary import RotaryEmbedding
@@ -40,7 +40,10 @@ def test_the_pool_keeps_only_the_latent_per_token_and_layer(tiny_checkpoint, cap
     assert kv_cache.shape[:2] == (cfg.num_layers, 1) and kv_cache.shape[3:] == (1, latent)
     per_token = cfg.num_layers * latent * 4
     assert kv_bytes_per_token(cfg, torch.float32) == per_token
-    assert f"the target's latent: {per_token})" in caplog.text
+    m = cfg.mla
+    dense = cfg.num_layers * cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 4
+    assert f"the target's latent: {per_token}; expanded keys and values would be {dense})" in caplog.text
+    assert engine.stats().dense_kv_bytes_per_token == dense > per_token
     metrics = Metrics()
     metrics.on_stats(engine.stats())
     assert f"specserve_kv_cache_bytes_per_token {per_token}.0" in metrics.render().decode()
@@ -54,6 +57,7 @@ def test_moonlight_config_is_shipped_with_a_latent_cache():
     assert cfg.kv_entry_shape == (1, 1, 512 + 64)
     # 31,104 bytes per token in bf16; its heads' keys (192 wide) and values (128) expanded would take 276,480.
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 27 * 576 * 2
+    assert dense_kv_bytes_per_token(cfg, torch.bfloat16) == 27 * 16 * (192 + 128) * 2 == 276_480
     assert cfg.moe.sparse_layers == tuple(range(1, 27)) and cfg.moe.num_shared_experts == 2
 
 

@@ -292,3 +292,29 @@ def test_every_tree_size_replays_its_captured_graphs_losslessly(tiny_checkpoint,
     assert {5, 11} <= set(depths) and sorted(program.trees) == [5, 11]
     assert all(tree.graphs and tree.num_runs for tree in program.trees.values())
     assert engine.scheduler.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "deepseek-v3"])
+def test_the_goodput_plan_chooses_shapes_on_moe_targets_losslessly(tmp_path, tiny_checkpoint, kind):
+    """A tree server under the goodput policy on the MoE and MLA targets: the plan is given the target's expert
+    reads, moves between shapes step to step (step times from a cost model in which deeper shapes cost more),
+    and greedy output equals plain greedy."""
+    target = tiny_checkpoint(kind, True)
+    config = tight_config(str(target), 400)
+    prompts = make_prompts(512, seed=6)
+    plain, _ = build_engine_core(config, progress=False)
+    expected, _ = run_staggered(plain, prompts)
+    write_peaked_random_head(target, tmp_path)
+    spec = SpecConfig("EAGLE3", str(tmp_path), 4, 2, 12, adaptive=True, policy="goodput")
+    engine, _ = build_engine_core(replace(config, spec=spec), progress=False)
+    plan, observe = engine.observer, engine.observer.observe_step
+    assert plan.experts is not None and plan.experts.top_k > 1
+    engine.observer.observe_step = lambda drafted, size, seconds: observe(
+        drafted, size, 1.0 + (0.04 * (plan.shape + 1) * size if drafted else 0.0))
+    shapes = []
+    step = engine.step
+    engine.step = lambda: [d for d in step() if shapes.append(d.step_drafted) or True]
+    outputs, _ = run_staggered(engine, prompts)
+    assert outputs == expected
+    assert len(set(shapes) - {0}) >= 2, sorted(set(shapes))
+    assert engine.scheduler.allocator.num_used == 0
