@@ -1,7 +1,8 @@
 """A bursty trace through the online server: Poisson arrivals whose rate switches between a low one and a
 saturating one every `--period` seconds, sent by the official openai client (streaming chat, greedy,
 `ignore_eos`), the same arrivals and prompts for every setting. Each setting is a fresh `specserve serve`:
-plain decoding, static chains, SGLang's tiers and the adaptive plans (on-off and goodput).
+plain decoding, static chains (and a static tree with `--tree`), SGLang's tiers and the adaptive plans (on-off
+and goodput; with `--tree`, goodput configured for the tree too).
 
 It reports per setting the goodput (output tokens per second from the first arrival to the last answer) and
 p50 / p99 TPOT over requests. One server at a time, in a fixed order: on a shared machine, compare settings of
@@ -29,16 +30,25 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
-def settings(steps: int) -> dict[str, list[str]]:
-    """Setting name -> `specserve serve` flags."""
+def settings(steps: int, tree: list[int] | None = None) -> dict[str, list[str]]:
+    """Setting name -> `specserve serve` flags. `tree` (top-k, steps, tokens): a static tree too, and a goodput
+    plan configured for that tree (chains and smaller trees below it)."""
     chain = ["--speculative-algorithm", "EAGLE3"]
     static = {f"static chain {d}": [*chain, "--speculative-num-steps", str(d), "--disable-speculative-adaptive"]
               for d in sorted({1, 3, steps})}
     deepest = [*chain, "--speculative-num-steps", str(steps)]
-    return {"plain": ["--speculative-algorithm", "NONE"], **static,
-            "sglang tiers": [*deepest, "--speculative-policy", "sglang-tiers"],
-            "adaptive on-off": [*deepest, "--speculative-policy", "on-off"],
-            "adaptive goodput": [*deepest, "--speculative-policy", "goodput"]}
+    shapes = {"plain": ["--speculative-algorithm", "NONE"], **static}
+    if tree:
+        topk, depth, tokens = tree
+        tree_flags = [*chain, "--speculative-num-steps", str(depth), "--speculative-eagle-topk", str(topk),
+                      "--speculative-num-draft-tokens", str(tokens)]
+        shapes[f"static tree {topk}/{depth}/{tokens}"] = [*tree_flags, "--disable-speculative-adaptive"]
+    plans = {"sglang tiers": [*deepest, "--speculative-policy", "sglang-tiers"],
+             "adaptive on-off": [*deepest, "--speculative-policy", "on-off"],
+             "adaptive goodput": [*deepest, "--speculative-policy", "goodput"]}
+    if tree:
+        plans["adaptive goodput (tree)"] = [*tree_flags, "--speculative-policy", "goodput"]
+    return {**shapes, **plans}
 
 
 def arrivals(duration: float, period: float, low: float, high: float, seed: int) -> list[float]:
@@ -97,6 +107,8 @@ def main() -> None:
     parser.add_argument("--high-rate", type=float, default=20.0, help="requests per second in bursts")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="the deepest chain (the bundled head's default: 5)")
+    parser.add_argument("--tree", nargs=3, type=int, metavar=("TOPK", "STEPS", "TOKENS"),
+                        help="add a static tree of this shape, and the goodput plan configured for it")
     parser.add_argument("--only", nargs="+", help="run only these settings (names as in the output)")
     parser.add_argument("--reverse", action="store_true",
                         help="run the settings in reverse order (a second run so drift lands on both ends)")
@@ -111,7 +123,7 @@ def main() -> None:
     questions = mt_bench_first_turns()
     prompts = [questions[i % len(questions)] for i in range(len(trace))]
     rows = []
-    order = list(settings(args.steps).items())
+    order = list(settings(args.steps, args.tree).items())
     for name, flags in reversed(order) if args.reverse else order:
         if args.only and name not in args.only:
             continue

@@ -22,7 +22,8 @@
 #               STRUCTURED_BATCH_SIZES="64": one of them);
 #               structured_general: batch 1 with constrained rows on the general path, for the programs' worth
 #   bursty_a, bursty_b  (only when named) issue 47's bursty trace through the server, 8B shape, random head at
-#               simulated tau 3 (TOKENIZER_DIR): plain and static chains 1/3/5; SGLang's tiers and the adaptive plans
+#               simulated tau 3 (TOKENIZER_DIR): plain and static chains 1/3/5; a static tree 4/5/16, SGLang's tiers
+#               and the adaptive plans (goodput for the chain and for the tree)
 #   moespec     (only when named) issue 46's speculation on a MoE shape: plain, chain and tree at simulated tau 1
 #               and 3 / 4, and the goodput plan, at C = 1, 10, 100, 250 (MOESPEC_MODEL, MOESPEC_TAG, MOESPEC_WAVES,
 #               MOESPEC_PART=a|b: its halves)
@@ -163,7 +164,7 @@ fi
 bursty() {  # NAME SETTINGS...
   local name=$1; shift
   python3 benchmarks/bursty_trace.py --period 15 --duration 60 --low-rate 2 --high-rate 40 --max-tokens 256 \
-    --steps 5 --only "$@" --spec-flags "--speculative-simulate-accept-len 3.0" --out "$OUT/bursty_8b_${name}_h200.json" \
+    --steps 5 --tree 4 5 16 --only "$@" --spec-flags "--speculative-simulate-accept-len 3.0" --out "$OUT/bursty_8b_${name}_h200.json" \
     -- --device cuda --model-path llama-3.1-8b --load-format dummy --dtype bfloat16 --context-length 2048 \
     --tokenizer-path "${TOKENIZER_DIR:?a tokenizer directory}"
 }
@@ -171,7 +172,7 @@ if [[ $modes == *" bursty_a "* ]]; then
   bursty a plain "static chain 1" "static chain 3" "static chain 5"
 fi
 if [[ $modes == *" bursty_b "* ]]; then
-  bursty b "sglang tiers" "adaptive on-off" "adaptive goodput"
+  bursty b "static tree 4/5/16" "sglang tiers" "adaptive on-off" "adaptive goodput" "adaptive goodput (tree)"
 fi
 if want tax; then
   python3 benchmarks/spec_off_tax.py --profile --host-profile --out "$OUT/spec_off_tax_h200.json"
