@@ -1,14 +1,16 @@
 """The default server (`specserve serve`, which drafts with the bundled EAGLE-3 head) against the same server
-with speculation off, one request at a time, greedy, on MT-Bench first turns.
+with speculation off, one request at a time, greedy, on MT-Bench first turns; then waves of C concurrent
+requests (32 and 64 by default, 64 tokens each) on each server in turn.
 
-Docs figure it reproduces: the default server against speculation off through the server at batch 1 on the
-2-core CPU (decode tok/s and their ratio, `default_server_cpu.json` and `.png`).
+Docs figure it reproduces: the default server against speculation off through the server at batch 1 and at
+C = 32 and 64 on the 2-core CPU (tok/s and their ratios, `default_server_cpu.json` and `.png`).
 
 Both servers run side by side and take turns, prompt by prompt (the order flips every prompt), so a slow
 spell of a shared machine lands on both alike; two runs measured back to back minutes apart differed by up
 to 25 % on the same side. Writes JSON and a PNG of per-prompt decode speeds to benchmarks/results.
 
-    python benchmarks/default_server_cpu.py [--num-prompts 24] [--default-flags "--speculative-num-steps 5"]
+    python benchmarks/default_server_cpu.py [--num-prompts 24] [--concurrency 32 64]
+        [--default-flags "--speculative-num-steps 5"]
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -92,6 +95,8 @@ async def run(args) -> dict:
             if off.tpot and on.tpot:
                 print(f"prompt {i}: {off.output_tokens} / {on.output_tokens} tokens, decode "
                       f"{decode_tok_s(off):.1f} / {decode_tok_s(on):.1f} tok/s", flush=True)
+        waves = [await concurrent_waves(ports, labels, model, c, args, flip=k % 2 == 1)
+                 for k, c in enumerate(args.concurrency)]
     finally:
         for server in servers:
             server.terminate()
@@ -101,6 +106,8 @@ async def run(args) -> dict:
             except subprocess.TimeoutExpired:
                 server.kill()
     summary = {label: summarize(rs) for label, rs in results.items()}
+    for wave in waves:
+        print(f"C={wave['concurrency']}: {wave['ratio']:.3f}x of speculation off", flush=True)
     per_prompt = [decode_tok_s(b) / decode_tok_s(a) for a, b in zip(results["spec-off"], results["default"])
                   if a.tpot and b.tpot]
     return {
@@ -113,12 +120,34 @@ async def run(args) -> dict:
         "output_speedup": summary["default"]["output_tok_s"] / summary["spec-off"]["output_tok_s"],
         "per_prompt_decode_speedup": {"median": statistics.median(per_prompt), "min": min(per_prompt),
                                       "max": max(per_prompt)},
+        "concurrent": waves,
         "per_prompt": [{"prompt": i, **{label: {"output_tokens": rs[i].output_tokens,
                                                 "latency_s": rs[i].latency, "ttft_s": rs[i].ttft,
                                                 "spec_steps": rs[i].spec_steps}
                                         for label, rs in results.items()}}
                        for i in range(len(prompts))],
     }
+
+
+async def concurrent_waves(ports, labels, model: str, concurrency: int, args, flip: bool) -> dict:
+    """`args.wave_rounds` × C requests kept C at a time (greedy, `ignore_eos`, `args.wave_max_tokens` tokens
+    each) on each server in turn: output tok/s over the wave's wall time, and their ratio."""
+    questions = mt_bench_first_turns()
+    prompts = [questions[i % len(questions)] for i in range(args.wave_rounds * concurrency)]
+    settings = LoadSettings("chat", model, args.wave_max_tokens, 0.0, True)
+    rates = {}
+    for side in ((1, 0) if flip else (0, 1)):
+        client = make_client(f"http://127.0.0.1:{ports[side]}", None, concurrency, 600)
+        start = time.perf_counter()
+        results = await run_closed_loop(client, prompts, concurrency, settings)
+        seconds = time.perf_counter() - start
+        failed = [r.error for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"{labels[side]} at C={concurrency}: {failed[0]}")
+        rates[labels[side]] = {"output_tokens": sum(r.output_tokens for r in results), "seconds": seconds,
+                               "output_tok_s": sum(r.output_tokens for r in results) / seconds}
+    return {"concurrency": concurrency, "requests": len(prompts), **rates,
+            "ratio": rates["default"]["output_tok_s"] / rates["spec-off"]["output_tok_s"]}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -147,6 +176,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[32, 64],
+                        help="after batch 1, waves at these concurrencies (none: batch 1 only)")
+    parser.add_argument("--wave-rounds", type=int, default=2, help="a wave's requests, in multiples of C")
+    parser.add_argument("--wave-max-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=30556)
     parser.add_argument("--default-flags", default="", help="extra flags for the speculating server")
     parser.add_argument("--out", default=str(RESULTS / "default_server_cpu.json"))
