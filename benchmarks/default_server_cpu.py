@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -131,23 +132,37 @@ async def run(args) -> dict:
 
 async def concurrent_waves(ports, labels, model: str, concurrency: int, args, flip: bool) -> dict:
     """`args.wave_rounds` × C requests kept C at a time (greedy, `ignore_eos`, `args.wave_max_tokens` tokens
-    each) on each server in turn: output tok/s over the wave's wall time, and their ratio."""
+    each), on each server in turn, `args.wave_repeats` times with the order flipped each time, after a warm-up
+    wave of C short requests on each (as `specserve bench` warms each level; the adaptive plan meets a batch
+    size it has not timed): output tok/s over the waves' wall time, and their ratio."""
     questions = mt_bench_first_turns()
     prompts = [questions[i % len(questions)] for i in range(args.wave_rounds * concurrency)]
     settings = LoadSettings("chat", model, args.wave_max_tokens, 0.0, True)
-    rates = {}
-    for side in ((1, 0) if flip else (0, 1)):
-        client = make_client(f"http://127.0.0.1:{ports[side]}", None, concurrency, 600)
-        start = time.perf_counter()
-        results = await run_closed_loop(client, prompts, concurrency, settings)
-        seconds = time.perf_counter() - start
-        failed = [r.error for r in results if not r.ok]
-        if failed:
-            raise RuntimeError(f"{labels[side]} at C={concurrency}: {failed[0]}")
-        rates[labels[side]] = {"output_tokens": sum(r.output_tokens for r in results), "seconds": seconds,
-                               "output_tok_s": sum(r.output_tokens for r in results) / seconds}
-    return {"concurrency": concurrency, "requests": len(prompts), **rates,
+    clients = [make_client(f"http://127.0.0.1:{port}", None, concurrency, 600) for port in ports]
+    for client in clients:
+        await run_closed_loop(client, prompts[-concurrency:], concurrency, replace(settings, max_tokens=16))
+    waves: dict[str, list] = {label: [] for label in labels}
+    for repeat in range(args.wave_repeats):
+        for side in ((1, 0) if flip != (repeat % 2 == 1) else (0, 1)):
+            start = time.perf_counter()
+            results = await run_closed_loop(clients[side], prompts, concurrency, settings)
+            failed = [r.error for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"{labels[side]} at C={concurrency}: {failed[0]}")
+            waves[labels[side]].append((time.perf_counter() - start, results))
+    rates = {label: _wave_rates(runs) for label, runs in waves.items()}
+    return {"concurrency": concurrency, "requests_per_wave": len(prompts), "repeats": args.wave_repeats, **rates,
             "ratio": rates["default"]["output_tok_s"] / rates["spec-off"]["output_tok_s"]}
+
+
+def _wave_rates(runs: list) -> dict:
+    results = [r for _, rs in runs for r in rs]
+    tokens = sum(r.output_tokens for r in results)
+    seconds = sum(s for s, _ in runs)
+    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "per_wave_tok_s": [sum(r.output_tokens for r in rs) / s for s, rs in runs],
+            "mean_acceptance_length": summarize(results)["mean_acceptance_length"],
+            "spec_steps": sum(r.spec_steps for r in results)}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -180,6 +195,7 @@ def main() -> None:
                         help="after batch 1, waves at these concurrencies (none: batch 1 only)")
     parser.add_argument("--wave-rounds", type=int, default=2, help="a wave's requests, in multiples of C")
     parser.add_argument("--wave-max-tokens", type=int, default=64)
+    parser.add_argument("--wave-repeats", type=int, default=2, help="waves per server and level, order flipped")
     parser.add_argument("--port", type=int, default=30556)
     parser.add_argument("--default-flags", default="", help="extra flags for the speculating server")
     parser.add_argument("--out", default=str(RESULTS / "default_server_cpu.json"))

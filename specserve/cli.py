@@ -182,7 +182,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(50, 4C))")
     load.add_argument("--waves", type=int, default=None,
                       help="requests per concurrency level: this many times C (--num-prompts, where given, wins)")
-    load.add_argument("--dataset", default="sharegpt", help="sharegpt | mt-bench | random | path to a JSONL file")
+    load.add_argument("--dataset", default="sharegpt",
+                      help="sharegpt | mt-bench | json-schema (replies under JSON schemas) | random | a JSONL file")
     load.add_argument("--random-input-len", type=int, default=512)
     load.add_argument("--random-output-len", type=int, default=256)
     load.add_argument("--random-vocab-size", type=int, default=32000, help="token ids of random prompts stay below this")

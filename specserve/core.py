@@ -8,6 +8,7 @@ plus outputs). Prefill, chunked prefill, decode and recompute after preemption a
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 
@@ -68,8 +69,16 @@ class SamplingParams:
     # The grammar the output must match (None: free text). Tokens it forbids get no probability, drafts
     # included, and the request finishes ("stop") when the grammar ends.
     constraint: Constraint | None = None
+    # SGLang's names for a constraint (its sampling_params and request fields): at most one of them, and not
+    # beside `constraint`, which they become (the names then read None, so `replace` keeps one form).
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "constraint", self._constraint())
+        for name in ("json_schema", "regex", "ebnf"):
+            object.__setattr__(self, name, None)
         # Normalise list inputs so params stay hashable and picklable as one value.
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
@@ -103,6 +112,17 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             errors.append(f"logprobs (top alternatives) must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return errors
+
+    def _constraint(self) -> Constraint | None:
+        named = [(kind, text) for kind, text in (("json_schema", self.json_schema), ("regex", self.regex),
+                                                 ("ebnf", self.ebnf)) if text is not None]
+        if not named:
+            return self.constraint
+        if len(named) > 1 or self.constraint is not None:
+            given = [kind for kind, _ in named] + (["constraint"] if self.constraint is not None else [])
+            raise ValueError(f"a request takes one output constraint, got {', '.join(given)}")
+        kind, text = named[0]
+        return Constraint(kind, text if isinstance(text, str) else json.dumps(text))
 
     @property
     def greedy(self) -> bool:

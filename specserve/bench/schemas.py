@@ -4,6 +4,8 @@ additionalProperties false and required. Each bounds every string, array and num
 random model's output reaches the grammar's end within a few dozen tokens and can be checked whole."""
 from __future__ import annotations
 
+import json
+
 NAME = {"type": "string", "maxLength": 8}
 SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
 
@@ -63,3 +65,9 @@ SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"title": NAME, "pages": SMALL_INT, "draft": {"type": "boolean"}},
      "required": ["title"], "additionalProperties": False},
 ]
+
+
+def schema_request(schema: dict) -> list[dict]:
+    """The chat messages asking for a JSON value that follows `schema`."""
+    return [{"role": "user", "content": "Reply with JSON that follows this JSON schema, and nothing else:\n"
+             + json.dumps(schema)}]

@@ -18,7 +18,7 @@ import openai
 from tqdm import tqdm
 
 from specserve.bench.datasets import BenchPrompt
-from specserve.bench.report import BenchError, RequestResult
+from specserve.bench.report import BenchError, RequestResult, follows_schema
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,12 @@ def wait_until_healthy(base_url: str, server: subprocess.Popen | None = None, ti
 async def _one(client: openai.AsyncOpenAI, prompt: BenchPrompt, s: LoadSettings) -> RequestResult:
     max_tokens = s.max_tokens or prompt.output_len or 256
     extra = {"ignore_eos": True} if s.ignore_eos else {}
+    if prompt.schema is not None:  # completions take it as an extra field, as specserve and SGLang read it
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "reply", "schema": prompt.schema}}
     result = RequestResult(ok=False, start=time.perf_counter())
     common = dict(model=s.model, max_tokens=max_tokens, temperature=s.temperature, stream=True,
                   stream_options={"include_usage": True}, extra_body=extra)
+    text = []
     try:
         if prompt.token_ids is not None or s.api == "completions":
             stream = await client.completions.create(prompt=prompt.token_ids or prompt.text, **common)
@@ -89,10 +92,13 @@ async def _one(client: openai.AsyncOpenAI, prompt: BenchPrompt, s: LoadSettings)
                 if result.ttft is None:
                     result.ttft = now - result.start
                 result.chunk_times.append(now)
+                text.append(_chunk_text(chunk.choices[0]))
             if getattr(chunk, "usage", None) is not None:
                 _read_usage(result, chunk.usage)
         result.end = time.perf_counter()
         result.ok = result.ttft is not None and result.output_tokens > 0
+        if prompt.schema is not None:
+            result.schema_valid = follows_schema(prompt.schema, "".join(text))
         if not result.ok:
             result.error = "no tokens or no usage in the stream"
     except openai.OpenAIError as err:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from specserve.bench.report import write_report
 from specserve.bench.decode import hardware_info
-from specserve.bench.schemas import SCHEMAS
+from specserve.bench.schemas import SCHEMAS, schema_request
 from specserve.config import EngineConfig, SpecConfig
 from specserve.core import Constraint, SamplingParams
 from specserve.llm import LLM
@@ -45,8 +45,7 @@ SAME_LENGTHS = (False, "same lengths")
 
 def schema_prompts() -> list[tuple[list[dict], dict]]:
     """(chat messages, schema) per schema of the suite."""
-    return [([{"role": "user", "content": "Reply with JSON that follows this JSON schema, and nothing else:\n"
-               + json.dumps(schema)}], schema) for schema in SCHEMAS]
+    return [(schema_request(schema), schema) for schema in SCHEMAS]
 
 
 RANDOM_HEAD = "random"  # --head random: a random head of the target's shape (only with --load-format dummy)

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
+import json
 import shlex
 import sys
 import time
@@ -22,6 +23,7 @@ from specserve.bench.report import (
     RequestResult,
     compare_table,
     dumps,
+    follows_schema,
     markdown_table,
     plot,
     read_jsonl,
@@ -211,15 +213,18 @@ def _tokenize(llm, prompt: BenchPrompt) -> list[int]:
 
 def _offline_wave(llm, token_prompts, prompts, concurrency: int, args, warmup: bool = False):
     """Closed loop in-process: keep `concurrency` requests running until all are done."""
-    from specserve.core import SamplingParams
+    from specserve.core import Constraint, SamplingParams
 
     def params(prompt: BenchPrompt) -> SamplingParams:
         max_tokens = WARMUP_MAX_TOKENS if warmup else (args.max_tokens or prompt.output_len or 256)
-        return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+        schema = Constraint("json_schema", json.dumps(prompt.schema)) if prompt.schema is not None else None
+        return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                              constraint=schema)
 
     pending = list(zip(token_prompts, prompts))[::-1]
     live: dict = {}
     results: list[RequestResult] = []
+    schemas: dict = {}  # tracker -> the JSON schema its reply must follow, or None
     progress = tqdm(total=len(pending), desc=f"C={concurrency}", unit="req", leave=False,
                     disable=args.quiet or warmup)
     start = time.perf_counter()
@@ -228,6 +233,7 @@ def _offline_wave(llm, token_prompts, prompts, concurrency: int, args, warmup: b
             ids, prompt = pending.pop()
             tracker = llm.add(ids, params(prompt))
             live[tracker] = RequestResult(ok=False, start=time.perf_counter(), prompt_tokens=len(ids))
+            schemas[tracker] = prompt.schema
         trackers = list(live)
         counts = {t: len(t.output.token_ids) for t in trackers}
         llm.step_and_track(trackers)
@@ -241,6 +247,8 @@ def _offline_wave(llm, token_prompts, prompts, concurrency: int, args, warmup: b
                 out = tracker.output
                 result.end, result.ok, result.output_tokens = now, True, len(out.token_ids)
                 result.spec_steps, result.spec_accepted = out.num_spec_steps, out.num_accepted_tokens
+                if schemas[tracker] is not None:
+                    result.schema_valid = follows_schema(schemas[tracker], out.text)
                 results.append(live.pop(tracker))
                 progress.update(1)
     progress.close()

@@ -46,7 +46,16 @@ def best_path(tree: DraftTree, wanted: int) -> list[int]:
 
 def simulated_verdict(target_logits: torch.Tensor, tree: DraftTree, params: SamplingParams, tau: float,
                       rng: random.Random, seed: int | None) -> Verdict:
-    accepted = best_path(tree, draw_num_accepted(tau, rng))
+    """`target_logits` as verification sees them, grammar masks applied: the path stops before a draft its
+    grammar forbids (-inf in its parent's row), so a constrained output stays valid under simulation."""
+    accepted = _allowed_prefix(target_logits, tree, best_path(tree, draw_num_accepted(tau, rng)))
     last = accepted[-1] if accepted else 0
     bonus = sample(target_logits[last:last + 1], [params], [seed]).item()
     return Verdict(accepted, [tree.tokens[n] for n in accepted] + [bonus])
+
+
+def _allowed_prefix(target_logits: torch.Tensor, tree: DraftTree, path: list[int]) -> list[int]:
+    for i, node in enumerate(path):
+        if torch.isneginf(target_logits[tree.parents[node], tree.tokens[node]]):
+            return path[:i]
+    return path

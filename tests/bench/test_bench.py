@@ -78,6 +78,25 @@ def test_sweep_records_are_consistent(sweep):
     _valid_png(out.with_suffix(".png"))
 
 
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_the_json_schema_workload_checks_every_reply(simulated_server, tiny_chat_model, tmp_path, mode):
+    """`--dataset json-schema`: the suite's prompts, each sent with its schema as response_format (offline: as a
+    constraint), and the share of replies that follow their schema; all of them do, with drafts accepted by
+    simulation (the path stops at a draft the grammar forbids)."""
+    out = tmp_path / "schemas.jsonl"
+    where = (["--base-url", simulated_server] if mode == "online" else
+             ["--offline", "--model", str(tiny_chat_model), "--max-total-tokens", "8192", "--speculative-algorithm",
+              "DRAFT_MODEL", "--speculative-draft-model-path", str(tiny_chat_model),
+              "--speculative-simulate-accept-len", "3"])
+    done = _bench(*where, "--concurrency", "4", "--num-prompts", "12", "--dataset", "json-schema",
+                  "--max-tokens", "120", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["completed"] == 12 and record["schema_valid_share"] == 1.0
+    assert record["acceptance_simulated"] and record["mean_acceptance_length"] > 1.5
+    assert "Replies that follow their JSON schema: C=4 100 %" in done.stdout
+
+
 def test_compare_overlays_two_saved_runs(sweep, tmp_path):
     out, _ = sweep
     other = tmp_path / "faster.jsonl"

@@ -114,6 +114,25 @@ def test_simulated_acceptance_passes_over_a_first_child_too_shallow():
     assert g._leaf(bs, nodes, best=None, forced=torch.tensor(forced)).tolist() == [0, 1, 3, 3, 3]
 
 
+def test_simulated_acceptance_stops_before_a_draft_the_grammar_forbids():
+    """Under a grammar, verification's logits carry -inf for forbidden tokens: the drawn path is cut before the
+    first draft its parent's row forbids, and the bonus comes from the row where it stopped."""
+    import random
+
+    from specserve.core import SamplingParams
+    from specserve.speculative.simulate import simulated_verdict
+
+    tree = DraftTree([7, 3, 4, 5], [-1, 0, 1, 2])  # a chain: root 7 -> 3 -> 4 -> 5
+    logits = torch.zeros(4, 8)
+    logits[1, 4] = float("-inf")  # after 3, the grammar forbids 4
+    logits[1, 6] = 5.0  # and the target would say 6
+    verdict = simulated_verdict(logits, tree, SamplingParams(temperature=0.0), 4.0, random.Random(0), None)
+    assert verdict.accepted_nodes == [1] and verdict.tokens == [3, 6]
+    logits[1, 4] = 0.0
+    verdict = simulated_verdict(logits, tree, SamplingParams(temperature=0.0), 4.0, random.Random(0), None)
+    assert verdict.accepted_nodes == [1, 2, 3]
+
+
 def test_sampled_tree_acceptance_keeps_the_target_distribution():
     """The program's walk for sampled rows on the hand-made tree (root -> 10 -> 20 -> 30, root -> 11 -> 22) with
     fixed target distributions after each node: the first token is drawn from the root's, and the token after

@@ -123,6 +123,24 @@ def test_constraints_check_their_fields():
     assert params.needs_host_logits and hash(params) == hash(SamplingParams(constraint=Constraint("json_object")))
 
 
+def test_sglang_field_names_become_the_constraint():
+    """SGLang's sampling-params names (json_schema as text or a dict, regex, ebnf) are the constraint, one at a
+    time; the params then hold one form, so `replace` keeps them valid."""
+    from dataclasses import replace
+
+    schema = {"type": "integer", "minimum": 3}
+    params = SamplingParams(json_schema=schema, max_tokens=8)
+    assert params.constraint == Constraint("json_schema", json.dumps(schema)) and params.json_schema is None
+    assert params == SamplingParams(max_tokens=8, constraint=Constraint("json_schema", json.dumps(schema)))
+    assert replace(params, max_tokens=4).constraint == params.constraint
+    assert SamplingParams(regex="a+").constraint == Constraint("regex", "a+")
+    assert SamplingParams(ebnf='root ::= "a"').constraint == Constraint("ebnf", 'root ::= "a"')
+    with pytest.raises(ValueError, match="one output constraint, got regex, ebnf"):
+        SamplingParams(regex="a+", ebnf='root ::= "a"')
+    with pytest.raises(ValueError, match="one output constraint, got regex, constraint"):
+        SamplingParams(regex="a+", constraint=Constraint("json_object"))
+
+
 def test_masks_filled_on_threads_equal_those_filled_in_turn(grammars, monkeypatch):
     """`run_jobs` hands a large batch's mask fills (one request's grammar per job) to host threads: every
     mask is the one filled in turn, in order, and each state is left as it was."""

@@ -104,6 +104,16 @@ def test_unconstrained_requests_are_unaffected_by_constrained_ones(runs, config)
     assert [o.token_ids for o in alone] == [o.token_ids for o in runs["off"][1]]
 
 
+def test_the_offline_api_takes_sglangs_field_names(tiny_chat_model):
+    from specserve.llm import LLM
+
+    llm = LLM(model=str(tiny_chat_model), max_total_tokens=2048)
+    out = llm.generate("Answer:", SamplingParams(max_tokens=40, temperature=0.0, regex=REGEX))[0]
+    assert re.fullmatch(REGEX, out.text)
+    out = llm.generate("JSON:", SamplingParams(max_tokens=120, temperature=0.0, json_schema=SCHEMAS[0]))[0]
+    jsonschema.validate(json.loads(out.text), SCHEMAS[0])
+
+
 def test_an_invalid_grammar_is_refused_at_admission(tiny_chat_model):
     from specserve.llm import LLM
 
