@@ -208,9 +208,10 @@ class Request:
     # here), made at admission when params.constraint is set, dropped when the request finishes.
     grammar: object | None = None
     # Prefix caching (kv/prefix.py): prompt tokens served from the cache at first admission (reported in
-    # usage), and how many leading page_ids are indexed.
+    # usage), how many leading page_ids are indexed, and how many of those are marked as holding draft KV.
     num_cached_tokens: int = 0
     num_indexed_pages: int = 0
+    num_drafted_pages: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -349,25 +349,27 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.allocator.free(request.request_id, request.page_ids)
         request.page_ids = []
-        request.num_indexed_pages = 0
+        request.num_indexed_pages = request.num_drafted_pages = 0
 
     # -- prefix caching ---------------------------------------------------
     def _reuse_prefix(self, request: Request) -> int:
-        """Starts `request` from the cached pages its tokens match, shared: the target's KV, the drafter's KV
-        and taps there are all valid for it (each page is keyed by the token after it too). Returns the tokens
-        served from the cache."""
+        """Starts `request` from the cached pages its tokens match, shared: the target's KV and taps there are
+        valid for it (each page is keyed by the token after it too), and the drafter's KV over the leading pages
+        marked drafted. Returns the tokens served from the cache."""
         if self.prefix_cache is None or request.page_ids:
             return 0
         pages = self.prefix_cache.match(request.token_ids[:self._real_tokens(request)])
         if not pages:
             return 0
         self.allocator.share(request.request_id, pages)
-        hit = len(pages) * self.allocator.page_size
+        size = self.allocator.page_size
+        hit = len(pages) * size
         request.page_ids = list(pages)
         request.num_indexed_pages = len(pages)
         request.num_computed_tokens = hit
-        # The drafter's KV is valid over every cached page: an EAGLE-3 head has seen the token after them.
-        request.num_draft_computed_tokens = hit + self.draft_lead
+        # An EAGLE-3 head has seen the token after each drafted page (the lead); past them, it catches up.
+        request.num_drafted_pages = self.prefix_cache.drafted_prefix(pages)
+        request.num_draft_computed_tokens = request.num_drafted_pages * size + self.draft_lead
         return hit
 
     def _record_hit(self, request: Request, hit: int) -> None:
@@ -378,16 +380,14 @@ class Scheduler:
             request.num_cached_tokens = hit
 
     def _index_pages(self, request: Request) -> None:
-        """Indexes the request's pages that are full and final: the target has computed all of a page, the
-        drafter too (with its lead) where speculation is configured, and the token after the page is known (not
-        a placeholder of a step in flight). A page computed while the drafter stayed behind waits until it
-        catches up, so that a hit never serves draft KV that was not computed."""
+        """Indexes the request's pages that are full and final: the target has computed all of a page and the
+        token after it is known (not a placeholder of a step in flight). Where speculation is configured, marks
+        those the drafter has computed too (with its lead) as drafted: a page computed while the drafter stayed
+        behind is served all the same, and its hits catch the drafter up over it."""
         if self.prefix_cache is None:
             return
         size = self.allocator.page_size
         end = min(request.num_computed_tokens, self._real_tokens(request) - 1)
-        if self.draft_plan is not None:
-            end = min(end, request.num_draft_computed_tokens - self.draft_lead)
         for k in range(request.num_indexed_pages, min(end // size, len(request.page_ids))):
             parent = request.page_ids[k - 1] if k else ROOT
             own = request.page_ids[k]
@@ -399,7 +399,20 @@ class Scheduler:
                 self.allocator.share(request.request_id, [held])
                 self.allocator.free(request.request_id, [own])
                 request.page_ids[k] = held
+                if self.draft_plan is not None and not self.prefix_cache.is_drafted(held):
+                    self._draft_from(request, k)  # the copy taken has no draft KV
             request.num_indexed_pages = k + 1
+        if self.draft_plan is not None:
+            drafted = min((request.num_draft_computed_tokens - self.draft_lead) // size, request.num_indexed_pages)
+            for k in range(request.num_drafted_pages, drafted):
+                self.prefix_cache.mark_drafted(request.page_ids[k])
+            request.num_drafted_pages = max(request.num_drafted_pages, drafted)
+
+    def _draft_from(self, request: Request, page: int) -> None:
+        """The drafter's KV of `request` holds only before page `page`: it catches up from there."""
+        size = self.allocator.page_size
+        request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, page * size + self.draft_lead)
+        request.num_drafted_pages = min(request.num_drafted_pages, page)
 
     @staticmethod
     def _real_tokens(request: Request) -> int:

@@ -7,8 +7,13 @@ page-granular tree rather than a token-granular radix tree, because pages are th
 Why the next token is in the key: an EAGLE-3 head's KV at position p reads the embedding of token p + 1 (and the
 head's taps at p are the target's own). A page's head KV is therefore valid only for continuations that agree on
 the token after it, and keying on it makes every hit serve target KV, taps and head KV that are all valid for
-the request (SGLang keys its radix tree on token pairs for the same reason). The scheduler indexes a page only
-once the target and the drafter have both computed all of it; this module knows nothing of drafters.
+the request (SGLang keys its radix tree on token pairs for the same reason).
+
+The scheduler indexes a page once the target has computed all of it (its KV, and an EAGLE-3 head's taps, which
+the target's steps store whether or not anything drafts), and marks it drafted once the drafter has computed
+it too. A hit serves draft KV only over its leading drafted pages; the drafter catches up on the rest, as after
+any spell without drafting. So a server whose drafting is paused (the adaptive plan under load) still caches
+and reuses prompts. This module stores the mark; it knows nothing of drafters.
 
 Evicting a page drops the pages under it too: their keys name it as parent, and its id is about to be reused.
 No page under an idle page is in use, since a request holds every page of its prefix.
@@ -27,6 +32,7 @@ class PrefixCache:
         self._pages: dict[tuple[int, tuple[int, ...]], int] = {}
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._children: dict[int, set[int]] = {}
+        self._drafted: set[int] = set()  # indexed pages whose draft KV is computed
         allocator.set_evictor(self._drop)
         # Over every admission: tokens to compute, and tokens served from the cache instead.
         self.queried_tokens = 0
@@ -68,6 +74,21 @@ class PrefixCache:
         self._children.setdefault(parent, set()).add(page)
         return page
 
+    def mark_drafted(self, page: int) -> None:
+        if page not in self._key:
+            raise RuntimeError(f"page {page} is not indexed")
+        self._drafted.add(page)
+
+    def is_drafted(self, page: int) -> bool:
+        return page in self._drafted
+
+    def drafted_prefix(self, pages: list[int]) -> int:
+        """How many of `pages` (a match, in order) lead with draft KV."""
+        count = 0
+        while count < len(pages) and pages[count] in self._drafted:
+            count += 1
+        return count
+
     def record(self, queried: int, hit: int) -> None:
         self.queried_tokens += queried
         self.hit_tokens += hit
@@ -83,6 +104,7 @@ class PrefixCache:
             node = stack.pop()
             parent, _ = key = self._key.pop(node)
             del self._pages[key]
+            self._drafted.discard(node)
             self._children[parent].discard(node)
             if not self._children[parent]:
                 del self._children[parent]
@@ -94,5 +116,6 @@ class PrefixCache:
         """Every indexed page is cached by the allocator, and its parent indexed."""
         assert len(self._pages) == len(self._key), "an index entry has no page"
         assert set(self._key) == self.allocator.cached_pages, "the index and the allocator disagree on cached pages"
+        assert self._drafted <= set(self._key), "a page marked drafted is not indexed"
         for page, (parent, _) in self._key.items():
             assert parent == ROOT or parent in self._key, f"page {page} hangs on a dropped parent"

@@ -83,18 +83,21 @@ def _scheduler(num_pages: int, page_size: int = 4, drafting: bool = False, rng=N
 
 
 def _run_step(sched: Scheduler, rng: random.Random, vocab: int = 4) -> None:
-    """Pretends to run one step: checks that nothing it writes lands in an indexed page, then advances the
-    counters as the engine does (random acceptance, random tokens from a small vocabulary)."""
+    """Pretends to run one step: checks that the target writes into no indexed page and the drafter into none
+    it counts as drafted (it may fill an indexed page's draft KV that a request computed while its drafter
+    stayed behind), then advances the counters as the engine does (random acceptance, random tokens from a small
+    vocabulary)."""
     batch = sched.schedule()
     alloc, size = sched.allocator, sched.allocator.page_size
     alloc.check_invariants()
     sched.prefix_cache.check_invariants()
     indexed = alloc.cached_pages
     for seq in batch.seqs:
-        first_write = seq.start_pos
+        assert not set(seq.page_ids[seq.start_pos // size:]) & indexed, "the target writes into an indexed page"
         if seq.draft_catchup_ids:  # an EAGLE-3 head writes from the position before its first new token
-            first_write = min(first_write, max(seq.draft_start_pos - sched.draft_lead, 0))
-        assert not set(seq.page_ids[first_write // size:]) & indexed, "a step writes into an indexed page"
+            first_draft_page = max(seq.draft_start_pos - sched.draft_lead, 0) // size
+            assert first_draft_page >= sched.requests[seq.request_id].num_drafted_pages, \
+                "the drafter writes into a page it counts as drafted"
         assert len(seq.page_ids) * size >= seq.start_pos + len(seq.token_ids) + seq.num_draft_tokens
     for seq in batch.seqs:
         request = sched.requests[seq.request_id]
@@ -130,21 +133,34 @@ def test_a_hit_shares_full_pages_and_leaves_the_last_token_to_compute():
     assert sched.prefix_cache.hit_tokens == 16
 
 
-def test_pages_wait_for_the_drafter_to_catch_up():
+def test_pages_computed_while_the_drafter_stayed_behind_are_served_without_draft_kv():
+    """Drafting does not pay, so the head stays behind over the prompt: its pages are indexed all the same,
+    marked drafted only as the head catches up, and a hit serves draft KV over the drafted ones alone."""
     sched = _scheduler(num_pages=32, drafting=True, rng=random.Random(0))
     sched.draft_plan = lambda request: 0
-    sched.follow_gate = lambda requests: False  # drafting does not pay: the head stays behind over the prompt
-    sched.add(Request("a", list(range(1, 21)), SamplingParams(max_tokens=8), 8))
+    sched.follow_gate = lambda requests: False
+    prompt = list(range(1, 21))
+    sched.add(Request("a", prompt, SamplingParams(max_tokens=8), 8))
     batch = sched.schedule()
     a = sched.requests["a"]
     assert not batch.seqs[0].draft_catchup_ids
     a.num_computed_tokens = 20
     a.token_ids.append(5)
     sched.schedule()
-    assert a.num_draft_computed_tokens == 0 and len(sched.prefix_cache) == 0
+    cache = sched.prefix_cache
+    assert a.num_draft_computed_tokens == 0 and len(cache) == 4 and a.num_drafted_pages == 0
+    sched.add(Request("b", prompt + [9], SamplingParams(max_tokens=8), 8))
+    sched.schedule()
+    b = sched.requests["b"]
+    assert b.num_cached_tokens == 16 and b.num_draft_computed_tokens == 1  # the head starts from the beginning
     a.num_draft_computed_tokens = 9  # caught up over tokens 0..8: the head's KV is valid up to position 7
     sched.schedule()
-    assert a.num_indexed_pages == 2 and len(sched.prefix_cache) == 2
+    assert a.num_drafted_pages == 2 and cache.drafted_prefix(a.page_ids) == 2
+    sched.add(Request("c", prompt + [7], SamplingParams(max_tokens=8), 8))
+    sched.schedule()
+    c = sched.requests["c"]
+    assert c.num_cached_tokens == 16 and c.num_draft_computed_tokens == 9 and c.num_drafted_pages == 2
+    cache.check_invariants()
 
 
 @pytest.mark.parametrize("drafting", [False, True])
