@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from specserve.bench.report import write_report
+from specserve.bench.report import follows_schema, write_report
 from specserve.bench.decode import hardware_info
 from specserve.bench.schemas import SCHEMAS, schema_request
 from specserve.config import EngineConfig, SpecConfig
@@ -101,7 +101,7 @@ def measure(llm: LLM, prompts: list[list[int]], schemas: list[dict], constrained
            "mean_acceptance_length": (sum(o.num_accepted_tokens for o in outputs) + steps) / steps if steps else None,
            "finished_by_stop": sum(o.finish_reason == "stop" for o in outputs) / len(outputs)}
     if constrained:
-        row["valid_share"] = sum(_valid(o.text, s) for o, s in zip(outputs, schemas)) / len(outputs)
+        row["valid_share"] = sum(follows_schema(s, o.text) for o, s in zip(outputs, schemas)) / len(outputs)
         row["mask_steps"], row["mask_ready_share"] = timing.steps, timing.ready_share
     return row
 
@@ -138,16 +138,6 @@ def host_profile(run: Callable[[], object], top: int = 30) -> list[dict]:
              "own_seconds": round(own, 4), "cumulative_seconds": round(cumulative, 4)}
             for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items()]
     return sorted(rows, key=lambda r: -r["own_seconds"])[:top]
-
-
-def _valid(text: str, schema: dict) -> bool:
-    import jsonschema
-
-    try:
-        jsonschema.validate(json.loads(text), schema)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
 
 
 def run_structured_bench(engine_config: EngineConfig, args: argparse.Namespace) -> dict:
