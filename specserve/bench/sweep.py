@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
-import json
 import shlex
 import sys
 import time
@@ -213,13 +212,12 @@ def _tokenize(llm, prompt: BenchPrompt) -> list[int]:
 
 def _offline_wave(llm, token_prompts, prompts, concurrency: int, args, warmup: bool = False):
     """Closed loop in-process: keep `concurrency` requests running until all are done."""
-    from specserve.core import Constraint, SamplingParams
+    from specserve.core import SamplingParams
 
     def params(prompt: BenchPrompt) -> SamplingParams:
         max_tokens = WARMUP_MAX_TOKENS if warmup else (args.max_tokens or prompt.output_len or 256)
-        schema = Constraint("json_schema", json.dumps(prompt.schema)) if prompt.schema is not None else None
         return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
-                              constraint=schema)
+                              json_schema=prompt.schema)
 
     pending = list(zip(token_prompts, prompts))[::-1]
     live: dict = {}

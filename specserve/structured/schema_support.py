@@ -17,9 +17,10 @@ from typing import Iterator
 # Assertions that are never enforced, whatever their siblings.
 _IGNORED = ("not", "if", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
             "dependencies")
-# Keys whose value is one subschema, a list of them, or a mapping of names to them.
+# Keys whose value is one subschema, a list of them, or a mapping of names to them (not those of _IGNORED:
+# a node holding one is refused before its subschemas are read).
 _ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties",
-               "unevaluatedItems", "then", "else", "not", "contains")
+               "unevaluatedItems", "then", "else")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
