@@ -91,8 +91,8 @@ class Switches:
               "followed by masks built on the host, then masked verification). Off: they take the general path.")
     # Tests only.
     triton_interpreter_tests: bool = _switch(
-        False, "Run the Triton kernels' tests in Triton's CPU interpreter (tests/kernels/test_triton_interpreter.py) "
-               "where Triton is installed. Off: they skip; they take many minutes on a small CPU.")
+        False, "Run the slowest of the Triton kernels' tests in Triton's CPU interpreter "
+               "(tests/kernels/test_triton_interpreter.py; about 90 s on a 2-core CPU). Off: those skip, the rest run.")
 
 
 def env_name(name: str) -> str:

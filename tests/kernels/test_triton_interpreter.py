@@ -1,4 +1,5 @@
-"""Host-side logic of the Triton kernels, where Triton is installed (GPU machines; CI's CPU machine has none)."""
+"""The Triton kernels against their PyTorch forms in Triton's CPU interpreter, and their host-side logic, where
+Triton is installed (it comes with xgrammar on Linux x86-64, so CI has it)."""
 from __future__ import annotations
 
 import os
@@ -11,10 +12,11 @@ import pytest
 from specserve import envs
 
 triton = pytest.importorskip("triton")
-if not envs.get().triton_interpreter_tests:
-    # Triton comes with xgrammar on Linux x86-64, so CI has it; interpreting every kernel takes many minutes.
-    pytest.skip("set SPECSERVE_TRITON_INTERPRETER_TESTS=1 to run the kernels in Triton's interpreter",
-                allow_module_level=True)
+# The four slowest interpret whole tree programs or sweep many tile shapes: together about 90 s on a 2-core CPU,
+# which CI's time budget leaves to runs that ask for them. Every kernel they cover is also tested on the GPU.
+slow_in_interpreter = pytest.mark.skipif(
+    not envs.get().triton_interpreter_tests,
+    reason="slow in Triton's interpreter: set SPECSERVE_TRITON_INTERPRETER_TESTS=1 to run it")
 
 
 # What every interpreter script starts with: torch, and the helpers of tests/ importable.
@@ -297,6 +299,7 @@ for rows in (3, 16):
 """
 
 
+@slow_in_interpreter
 def test_gemv_split_over_k_in_the_interpreter_matches_the_unsplit_math():
     # Every form (norm folds, gate/up, residual, fp8 scales), rows-left, swapped and TMA tiles, in two and three
     # splits (the last one shorter at width 600), each twice: the last program in resets its tile's count.
@@ -315,6 +318,7 @@ for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
 """
 
 
+@slow_in_interpreter
 def test_tree_tails_dealt_over_context_slices_in_the_interpreter():
     # Each tree row's tail is attended by one context slice (dealt from the last one down), which the merge
     # then weighs with the rest: 1 slice (no merge), 2 (rows wrap around the slices), 5, and 32 (most slices
@@ -333,6 +337,7 @@ for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
 """
 
 
+@slow_in_interpreter
 def test_verified_trees_tails_as_one_block_in_the_interpreter():
     # A tree's tails as one block of the run's own slots, each query row masked to its ancestors and itself,
     # with 1, 3 and 32 slices (the block goes to the last; with 32, most slices hold no context).
@@ -397,6 +402,7 @@ for tree in (dict(num_steps=4, eagle_topk=3, num_draft_tokens=9), dict(num_steps
 """
 
 
+@slow_in_interpreter
 def test_tree_program_with_the_fused_search_in_the_interpreter_is_lossless(tiny_checkpoint, tmp_path):
     # The tree program on the CPU with its search's bookkeeping, selection and acceptance in the Triton kernels (run
     # by the interpreter), five levels deep and one: HF's greedy output, and every step accepting what the PyTorch
