@@ -92,7 +92,8 @@ class Switches:
     # Tests only.
     triton_interpreter_tests: bool = _switch(
         False, "Run the slowest of the Triton kernels' tests in Triton's CPU interpreter "
-               "(tests/kernels/test_triton_interpreter.py; about 90 s on a 2-core CPU). Off: those skip, the rest run.")
+               "(tests/kernels/test_triton_interpreter.py: whole tree programs, tile sweeps). Off: those skip, "
+               "the rest run.")
 
 
 def env_name(name: str) -> str:

@@ -12,8 +12,8 @@ import pytest
 from specserve import envs
 
 triton = pytest.importorskip("triton")
-# The four slowest interpret whole tree programs or sweep many tile shapes: together about 90 s on a 2-core CPU,
-# which CI's time budget leaves to runs that ask for them. Every kernel they cover is also tested on the GPU.
+# The four slowest interpret whole tree programs or sweep many tile shapes, more than CI's time budget leaves
+# room for: they run where asked. Every kernel they cover is also tested on the GPU.
 slow_in_interpreter = pytest.mark.skipif(
     not envs.get().triton_interpreter_tests,
     reason="slow in Triton's interpreter: set SPECSERVE_TRITON_INTERPRETER_TESTS=1 to run it")
